@@ -1,0 +1,8 @@
+# The two commands of the README: `make demo` (main job) and `make test` (whole test suite).
+.PHONY: setup demo test bench
+setup:
+	@bash scripts/setup.sh
+demo: setup
+	.venv/bin/spinwheel demo
+test: setup
+	.venv/bin/python -m pytest -q

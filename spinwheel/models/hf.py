@@ -1,0 +1,173 @@
+"""Hugging Face checkpoint I/O: ``config.json`` + ``model.safetensors`` (or sharded ``model-0000i-of-0000n``
+``.safetensors`` with ``model.safetensors.index.json``), loaded into and saved from :class:`Transformer`.
+
+Loading asserts every key and shape (as nanoGPT's ``from_pretrained`` does): a missing, unexpected or mis-shaped
+tensor raises :class:`CheckpointError` naming the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from spinwheel.models.config import ConfigError, ModelConfig
+from spinwheel.models.transformer import Transformer, rope_inv_freq
+
+_HF_PREFIX = "model."
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file or key and what was expected."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}': use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def hf_key(name: str) -> str:
+    """spinwheel parameter name -> HF name (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``)."""
+    return name if name.startswith("lm_head.") else _HF_PREFIX + name
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path}: no config.json in the checkpoint directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_path}: {e}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: expected a 'weight_map' object")
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{path}: no model.safetensors (or sharded *.safetensors with "
+                              "model.safetensors.index.json) in the checkpoint directory")
+    return found
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, under spinwheel's names."""
+    out: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(path)):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                name = key[len(_HF_PREFIX):] if key.startswith(_HF_PREFIX) else key
+                out[name] = sf.get_tensor(key)
+    return out
+
+
+def load_model(path_or_preset: str | os.PathLike, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None, seed: int = 0, vocab_size: int | None = None
+               ) -> Transformer:
+    """Load a checkpoint directory, or build a built-in preset (``tiny``, ``small``, ``test``) with random weights.
+
+    ``dtype`` defaults to the checkpoint's ``torch_dtype``; presets use ``vocab_size`` (default: the built-in char
+    tokenizer's) and ``seed``.
+    """
+    from spinwheel.models.presets import PRESETS, preset_config
+
+    path = Path(path_or_preset)
+    if str(path_or_preset) in PRESETS and not path.exists():
+        if vocab_size is None:
+            from spinwheel.models.tokenizer import Tokenizer
+
+            vocab_size = Tokenizer.char_level().vocab_size
+        model = Transformer(preset_config(str(path_or_preset), vocab_size)).init_weights(seed)
+        return model.to(device=device, dtype=resolve_dtype(dtype) or torch.float32)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found (or use a preset: {', '.join(PRESETS)})")
+    config = load_config(path)
+    state = load_state_dict(path)
+    target = resolve_dtype(dtype) or _DTYPES.get(config.torch_dtype, torch.float32)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {n: p for n, p in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        state.pop("lm_head.weight", None)  # some tied checkpoints still carry the head; it equals the embedding
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor '{hf_key(missing[0])}'"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = [k for k in state if k not in expected and not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor '{hf_key(unexpected[0])}' for a {config.model_type} model "
+                              f"with this config.json")
+    for name, ref in expected.items():
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise CheckpointError(f"{path}: tensor '{hf_key(name)}' has shape {tuple(state[name].shape)}, expected "
+                                  f"{tuple(ref.shape)} from config.json")
+    model = model.to_empty(device=device or "cpu")
+    model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)
+    # to_empty left the non-persistent RoPE buffer uninitialised; it is not in the file, so recompute it.
+    model.rotary.inv_freq = rope_inv_freq(config).to(model.device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(dtype=target)
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, shard_size_bytes: int | None = None) -> None:
+    """Write ``config.json`` and safetensors (sharded when ``shard_size_bytes`` is set and exceeded)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    config.torch_dtype = str(model.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name.startswith("rotary."):
+            continue
+        tensors[hf_key(name)] = t.detach().to("cpu").contiguous()
+    metadata = {"format": "pt"}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if shard_size_bytes is None or total <= shard_size_bytes:
+        save_file(tensors, str(path / "model.safetensors"), metadata=metadata)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_size_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata=metadata)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
