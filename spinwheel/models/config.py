@@ -83,6 +83,7 @@ class ModelConfig:
         h, i, l = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim  # type: ignore
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        attn += h if self.attention_bias and self.model_type != "qwen2" else 0  # o_proj bias (not in qwen2)
         attn += 2 * self.head_dim if self.qk_norm else 0  # type: ignore[operator]
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)

@@ -67,7 +67,7 @@ class Tokenizer:
         for ch in alphabet:
             vocab.setdefault(ch, len(vocab))
         backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-        backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)."), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         backend.decoder = decoders.Fuse()
         backend.add_special_tokens([PAD, BOS, EOS, UNK])
         return cls(backend, BOS, EOS, PAD, DEFAULT_CHAT_TEMPLATE)

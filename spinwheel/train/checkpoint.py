@@ -1,0 +1,68 @@
+"""Training checkpoints: a Hugging Face model directory (``config.json``, ``model.safetensors``, tokenizer) plus
+``trainer_state.pt`` (step, optimizer state, RNG states), written atomically: everything goes to a temporary
+directory beside the target, which then replaces the target by rename, so a crash never leaves a half-written
+checkpoint behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.models.transformer import Transformer
+
+STATE_FILE = "trainer_state.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: str | os.PathLike, model: Transformer, tokenizer: Tokenizer | None,
+                    trainer_state: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint directory atomically; returns its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / STATE_FILE)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_trainer_state(path: str | os.PathLike) -> dict[str, Any] | None:
+    f = Path(path) / STATE_FILE
+    if not f.is_file():
+        return None
+    return torch.load(f, map_location="cpu", weights_only=False)

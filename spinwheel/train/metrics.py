@@ -1,0 +1,58 @@
+"""Training metrics: one JSON object per line in ``metrics.jsonl``, and PNG curves drawn from that file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Appends records to ``<out_dir>/metrics.jsonl``. On resume, records after the resumed step are dropped so the
+    file reads as one uninterrupted run."""
+
+    def __init__(self, out_dir: str | os.PathLike, resume_step: int | None = None) -> None:
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        return read_metrics(self.path)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike, panels: list[tuple[str, str]],
+                title: str = "") -> None:
+    """One subplot per ``(key, label)`` panel, the key's value against ``step``, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,37 @@
+"""Optimizer and learning-rate schedule: AdamW with decoupled weight decay on matrices only (norm gains, biases
+and embeddings are not decayed, as in GPT-2/nanoGPT), and linear warmup followed by cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
+                eps: float = 1e-8) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:  # tied weights appear once
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def lr_at(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate at optimizer step ``step`` (0-based): linear warmup to ``lr`` over ``warmup_steps``, then
+    cosine decay to ``lr * min_lr_ratio`` at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,307 @@
+"""Supervised fine-tuning: next-token cross-entropy on completion tokens only.
+
+The loop reads top to bottom: build model, tokenizer and data; for each step, take the step's batch (a pure
+function of the seed and the step number, so resuming needs no sampler state), run :func:`completion_loss`, clip,
+step AdamW at the scheduled learning rate; log, evaluate held-out exact match with greedy decoding, and save
+atomic checkpoints that resume exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from spinwheel.config import option
+from spinwheel.models.generate import generate
+from spinwheel.models.hf import load_model, resolve_dtype
+from spinwheel.models.tokenizer import Tokenizer, load_tokenizer
+from spinwheel.models.transformer import Transformer
+from spinwheel.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, reward
+from spinwheel.tasks.data import read_sft_jsonl
+from spinwheel.train.checkpoint import load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from spinwheel.train.metrics import MetricsLogger, plot_curves
+from spinwheel.train.optim import build_adamw, lr_at, set_lr
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on completion tokens (built-in arithmetic task or your JSONL)."""
+
+    model: str = option("tiny", help="built-in preset (tiny, small, test) or a HF checkpoint directory")
+    data: str | None = option(None, help="SFT JSONL with {prompt, completion} or {messages} lines; "
+                                         "default: the built-in arithmetic task")
+    eval_fraction: float = option(0.05, help="share of --data lines held out for evaluation")
+    out_dir: str = option("runs/sft", help="where checkpoint/, metrics.jsonl and curves.png are written")
+    steps: int = option(1500, help="optimizer steps")
+    batch_size: int = option(128, help="sequences per step")
+    lr: float = option(3e-3, help="peak learning rate (AdamW)")
+    min_lr_ratio: float = option(0.1, help="final learning rate as a fraction of --lr (cosine decay)")
+    warmup_steps: int = option(100, help="linear warmup steps")
+    weight_decay: float = option(0.1, help="AdamW decoupled weight decay on weight matrices")
+    grad_clip: float = option(1.0, help="max global gradient norm (0 disables clipping)")
+    eval_every: int = option(500, help="evaluate held-out exact match every N steps (0: only at the end)")
+    eval_examples: int = option(500, help="held-out examples per evaluation")
+    max_new_tokens: int = option(16, help="max tokens generated per held-out prompt at evaluation")
+    save_every: int = option(500, help="write a checkpoint every N steps (0: only at the end)")
+    max_seq_len: int = option(256, help="longer examples are dropped (their count is reported)")
+    seed: int = option(0, help="seed of the model init and the data order")
+    resume: bool = option(True, help="resume from <out_dir>/checkpoint when it exists")
+    dtype: str = option("float32", help="parameter dtype: float32, bfloat16 or float16 (GPUs)")
+    device: str = option("cpu", help="torch device, e.g. cpu or cuda")
+    num_threads: int = option(0, help="torch CPU threads (0: PyTorch's default)")
+    stop_after: int | None = option(None, help="stop (with a checkpoint) after this many steps of this run; "
+                                               "resume later with the same command")
+    progress: bool = option(True, help="show a progress bar")
+    task: ArithmeticConfig = field(default_factory=ArithmeticConfig, metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_examples", "max_new_tokens", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "save_every", "num_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+        resolve_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """A tokenized example: ``prompt_ids`` (with BOS) then ``completion_ids`` (with EOS); ``reference`` is what a
+    generated completion is scored against."""
+
+    prompt: str
+    reference: str
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+
+
+def exact_match(completion: str, reference: str) -> float:
+    return float(completion.strip() == reference.strip())
+
+
+@dataclass
+class SFTData:
+    train: list[SFTExample]
+    eval: list[SFTExample]
+    score: Callable[[str, str], float]  # (generated completion, reference) -> 0..1
+    num_dropped: int = 0
+
+
+def build_data(config: SFTConfig, tokenizer: Tokenizer) -> SFTData:
+    """Tokenize the built-in arithmetic task or ``config.data``; examples longer than ``max_seq_len`` are dropped."""
+    if tokenizer.eos_id is None:
+        raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
+    pairs_train: list[tuple[str, str]]
+    pairs_eval: list[tuple[str, str]]
+    if config.data is None:
+        task = ArithmeticTask(config.task)
+        pairs_train = [(e.prompt, e.answer) for e in task.train]
+        pairs_eval = [(e.prompt, e.answer) for e in task.test]
+        score: Callable[[str, str], float] = reward
+    else:
+        pairs = []
+        for r in read_sft_jsonl(config.data):
+            if r.messages is not None:
+                prompt = tokenizer.apply_chat_template(r.messages[:-1], add_generation_prompt=True)
+                pairs.append((prompt, r.messages[-1]["content"]))
+            else:
+                assert r.prompt is not None and r.completion is not None
+                pairs.append((r.prompt, r.completion))
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(config.seed)).tolist()
+        num_eval = max(1, int(len(pairs) * config.eval_fraction)) if len(pairs) > 1 else 0
+        pairs_eval = [pairs[i] for i in order[:num_eval]]
+        pairs_train = [pairs[i] for i in order[num_eval:]]
+        score = exact_match
+
+    dropped = 0
+
+    def tokenize(pairs: list[tuple[str, str]]) -> list[SFTExample]:
+        nonlocal dropped
+        prompts = tokenizer.encode_batch([p for p, _ in pairs], add_bos=True)
+        completions = tokenizer.encode_batch([c for _, c in pairs])
+        out = []
+        for (p, c), p_ids, c_ids in zip(pairs, prompts, completions):
+            if len(p_ids) + len(c_ids) + 1 > config.max_seq_len:
+                dropped += 1
+                continue
+            out.append(SFTExample(p, c, tuple(p_ids), tuple(c_ids) + (tokenizer.eos_id,)))  # type: ignore[operator]
+        return out
+
+    train, evaluation = tokenize(pairs_train), tokenize(pairs_eval)
+    if not train:
+        raise ValueError(f"no training examples left (dropped {dropped} longer than --max-seq-len "
+                         f"{config.max_seq_len}); raise --max-seq-len or check --data")
+    return SFTData(train, evaluation, score, dropped)
+
+
+def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> list[int]:
+    """Indices of the examples in step ``step``'s batch: consecutive slices of one seeded permutation per epoch."""
+    out: list[int] = []
+    start = step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), num_examples)
+        perm = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        take = min(batch_size - len(out), num_examples - offset)
+        out.extend(perm[offset:offset + take].tolist())
+    return out
+
+
+def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: ``input_ids`` (B, T) and ``loss_mask`` (B, T-1), 1 where token t+1 is a completion token.
+
+    With right padding, causal attention never lets a real token see a pad, so no attention mask is needed.
+    """
+    seqs = [e.prompt_ids + e.completion_ids for e in examples]
+    t = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(seqs), t - 1), dtype=torch.float32)
+    for i, (e, s) in enumerate(zip(examples, seqs)):
+        input_ids[i, :len(s)] = torch.tensor(s)
+        # Targets input_ids[:, 1:]; the completion's first token is predicted at position len(prompt) - 1.
+        loss_mask[i, len(e.prompt_ids) - 1:len(s) - 1] = 1.0
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def completion_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean next-token cross-entropy over completion tokens.
+
+    logits (B, T, V), input_ids (B, T), loss_mask (B, T-1) -> scalar loss and stats (``num_tokens``).
+    """
+    targets = input_ids[:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
+    num_tokens = loss_mask.sum()
+    loss = (nll * loss_mask.flatten()).sum() / num_tokens.clamp(min=1)
+    return loss, {"num_tokens": float(num_tokens)}
+
+
+def greedy_completions(model: Transformer, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int
+                       ) -> list[str]:
+    ids = tokenizer.encode_batch(prompts, add_bos=True)
+    out = generate(model, ids, max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
+    return [tokenizer.decode(o) for o in out]
+
+
+def evaluate(model: Transformer, tokenizer: Tokenizer, data: SFTData, num_examples: int, max_new_tokens: int
+             ) -> dict[str, Any]:
+    """Held-out score with greedy decoding: mean of ``data.score`` and a few (prompt, completion, reference)."""
+    examples = data.eval[:num_examples]
+    if not examples:
+        return {"exact_match": None, "samples": []}
+    completions = greedy_completions(model, tokenizer, [e.prompt for e in examples], max_new_tokens)
+    scores = [data.score(c, e.reference) for c, e in zip(completions, examples)]
+    samples = [(e.prompt, c, e.reference) for e, c in zip(examples[:8], completions)]
+    return {"exact_match": sum(scores) / len(scores), "samples": samples}
+
+
+def _build_model(config: SFTConfig, tokenizer: Tokenizer, checkpoint: Path) -> Transformer:
+    source: str | Path = checkpoint if checkpoint.is_dir() and config.resume else config.model
+    torch.manual_seed(config.seed)
+    return load_model(source, dtype=config.dtype, device=config.device, seed=config.seed,
+                      vocab_size=tokenizer.vocab_size)
+
+
+def train_sft(config: SFTConfig, on_eval: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run SFT as configured; returns the final metrics (``eval_before``, ``eval_after``, ``losses``, ...)."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    out_dir = Path(config.out_dir)
+    ckpt_dir = out_dir / "checkpoint"
+    state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
+    tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
+    model = _build_model(config, tokenizer, ckpt_dir if state is not None else Path("/nonexistent"))
+    data = build_data(config, tokenizer)
+    optimizer = build_adamw(model, config.lr, config.weight_decay)
+    start_step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        start_step = int(state["step"])
+    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None)
+    if state is None:
+        logger.log({"step": 0, "num_params": sum(p.numel() for p in set(model.parameters())),
+                    "num_train": len(data.train), "num_eval": len(data.eval), "num_dropped": data.num_dropped})
+
+    result: dict[str, Any] = {"start_step": start_step}
+
+    def run_eval(step: int) -> dict[str, Any]:
+        ev = evaluate(model, tokenizer, data, config.eval_examples, config.max_new_tokens)
+        logger.log({"step": step, "eval_exact_match": ev["exact_match"]})
+        if on_eval is not None:
+            on_eval(step, ev)
+        return ev
+
+    if start_step == 0:
+        result["eval_before"] = run_eval(0)
+
+    def save(step: int) -> None:
+        save_checkpoint(ckpt_dir, model, tokenizer, {
+            "step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(),
+            "config": dataclasses.asdict(config)})
+
+    end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
+    model.train()
+    losses: list[float] = []
+    bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step, disable=not config.progress,
+               desc="sft", dynamic_ncols=True, mininterval=1.0)
+    t0, tokens = time.perf_counter(), 0.0
+    step = start_step
+    try:
+        for step in bar:
+            batch = collate([data.train[i] for i in batch_indices(step, config.batch_size, len(data.train),
+                                                                  config.seed)], tokenizer.pad_id or 0)
+            batch = {k: v.to(config.device) for k, v in batch.items()}
+            lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
+            set_lr(optimizer, lr)
+            logits = model(batch["input_ids"])
+            loss, stats = completion_loss(logits, batch["input_ids"], batch["loss_mask"])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            clip = config.grad_clip if config.grad_clip > 0 else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            optimizer.step()
+            tokens += stats["num_tokens"]
+            losses.append(float(loss.detach()))
+            record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
+                      "completion_tokens_per_s": tokens / (time.perf_counter() - t0)}
+            logger.log(record)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{lr:.2e}")
+            done = step + 1
+            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
+                ev = run_eval(done)
+                bar.write(f"step {done}: held-out exact match {ev['exact_match']:.3f}")
+            if config.save_every and done % config.save_every == 0 and done < end_step:
+                save(done)
+        step = end_step
+    except KeyboardInterrupt:
+        bar.close()
+        done_steps = start_step + len(losses)
+        save(done_steps)
+        print(f"interrupted: checkpoint saved at step {done_steps} in {ckpt_dir}; rerun the same command to resume")
+        raise
+    bar.close()
+    save(end_step)
+    result.update(losses=losses, end_step=end_step, checkpoint=str(ckpt_dir))
+    if end_step == config.steps:
+        result["eval_after"] = run_eval(end_step)
+    plot_curves(logger.read(), out_dir / "curves.png",
+                [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
+                title=f"SFT {config.model}")
+    return result

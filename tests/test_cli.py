@@ -1,0 +1,72 @@
+"""The spinwheel command: help documents every config field; bad input ends with a one-line error."""
+
+import dataclasses
+import json
+
+import pytest
+
+from spinwheel.cli import GenerateConfig, build_parser, main
+from spinwheel.tasks.arithmetic import ArithmeticConfig
+from spinwheel.train.sft import SFTConfig
+
+
+@pytest.mark.parametrize("command,configs", [("sft", [(SFTConfig, ""), (ArithmeticConfig, "task-")]),
+                                             ("demo", [(SFTConfig, ""), (ArithmeticConfig, "task-")]),
+                                             ("generate", [(GenerateConfig, "")])])
+def test_help_documents_every_field(command, configs, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    for cls, prefix in configs:
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") is False:
+                continue
+            assert "--" + prefix + f.name.replace("_", "-") in text
+            assert f.metadata["help"].split()[0] in text
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_malformed_jsonl_line(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": 4}\n')
+    assert main(["sft", "--data", str(data), "--model", "test", "--out-dir", str(tmp_path / "run"),
+                 "--no-progress"]) == 2
+    err = _error_line(capsys)
+    assert "train.jsonl:2" in err and "'completion'" in err
+
+
+def test_missing_checkpoint_and_unsupported_model_type(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "missing")]) == 2
+    assert "checkpoint directory not found" in _error_line(capsys)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    assert main(["generate", "--model", str(tmp_path)]) == 2
+    assert "unsupported model_type 'bert'" in _error_line(capsys)
+
+
+def test_bad_option_values(tmp_path, capsys):
+    assert main(["sft", "--steps", "0", "--out-dir", str(tmp_path)]) == 2
+    assert "--steps must be >= 1" in _error_line(capsys)
+    assert main(["sft", "--task-operators", "/", "--out-dir", str(tmp_path)]) == 2
+    assert "unknown operators" in _error_line(capsys)
+
+
+def test_sft_then_generate_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["sft", "--model", "test", "--out-dir", str(out), "--steps", "3", "--batch-size", "4",
+                 "--eval-examples", "4", "--max-new-tokens", "3", "--task-num-train", "50", "--task-num-test",
+                 "5", "--no-progress"]) == 0
+    assert "held-out exact match" in capsys.readouterr().out
+    assert main(["generate", "--model", str(out / "checkpoint"), "--prompt", "1+2=", "3+4=",
+                 "--max-tokens", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("1+2=") and lines[1].startswith("3+4=")
+
+
+def test_parser_defaults_build_valid_configs():
+    ns = build_parser().parse_args(["demo"])
+    assert ns.out_dir == "runs/demo" and ns.resume is False

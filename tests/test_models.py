@@ -1,0 +1,200 @@
+"""Model parity with HF transformers (logits to 1e-5 in fp32) and checkpoint round trips."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import spinwheel
+from spinwheel.models import CheckpointError, ConfigError, ModelConfig, Transformer, token_logprobs
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+
+CASES = {
+    "llama-gqa-untied-llama3rope": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2,
+                                                                           rope_scaling=LLAMA3_SCALING)),
+    "llama-mha-tied-bias": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                                   attention_bias=True, mlp_bias=True)),
+    "llama-linear-rope-theta": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=1, rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2-gqa-untied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "qwen2-mha-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3-gqa-headdim": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+}
+
+
+def _hf_model(case: str):
+    cfg_name, model_name, kwargs = CASES[case]
+    config = getattr(transformers, cfg_name)(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, max_position_embeddings=128, **kwargs)
+    torch.manual_seed(1)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0; randomise everything so all of it is tested
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, tmp_path):
+    hf = _hf_model(case)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = spinwheel.load_model(tmp_path / "hf")
+    ids = torch.randint(0, 61, (3, 40))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = ours(ids)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+    # Padded batch (left padding), as generation uses it: compare real positions only.
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    mask[2, :3] = 0
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+        out = ours(ids, attention_mask=mask)
+    keep = mask.bool()
+    torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
+
+    # spinwheel-saved checkpoint loads back in transformers with the same logits.
+    ours.save_pretrained(str(tmp_path / "ours"))
+    back = type(hf).from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scaling_is_applied(tmp_path):
+    """Guard against a parity test that passes because scaling is ignored on both sides."""
+    hf = _hf_model("llama-gqa-untied-llama3rope")
+    hf.save_pretrained(tmp_path)
+    scaled = spinwheel.load_model(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    plain = spinwheel.load_model(tmp_path)
+    ids = torch.arange(60).remainder(61)[None]
+    with torch.no_grad():
+        assert (scaled(ids) - plain(ids)).abs().max() > 1e-3
+
+
+def test_packed_sequences_equal_separate_forwards():
+    model = spinwheel.load_model("test", vocab_size=50)
+    a, b = torch.randint(0, 50, (1, 7)), torch.randint(0, 50, (1, 5))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    seq_ids = torch.tensor([[0] * 7 + [1] * 5])
+    with torch.no_grad():
+        out = model(packed, positions=positions, seq_ids=seq_ids)
+        torch.testing.assert_close(out[:, :7], model(a), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[:, 7:], model(b), atol=1e-5, rtol=1e-5)
+
+
+def test_token_logprobs_matches_log_softmax():
+    logits = torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, targets), ref)
+
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    model = spinwheel.load_model("test", vocab_size=50, seed=3)
+    model.save_pretrained(str(tmp_path), shard_size_bytes=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    back = spinwheel.load_model(tmp_path)
+    for (n, p), (n2, p2) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert n == n2
+        torch.testing.assert_close(p, p2, rtol=0, atol=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, back(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_load_dtype_and_presets():
+    m = spinwheel.load_model("tiny", dtype="bfloat16")
+    assert m.dtype == torch.bfloat16
+    assert m.config.vocab_size == spinwheel.Tokenizer.char_level().vocab_size
+    assert sum(p.numel() for p in set(m.parameters())) == m.config.num_params
+    with pytest.raises(ValueError, match="unknown model preset|not found"):
+        spinwheel.load_model("huge")
+
+
+def test_num_params_matches_module_for_all_variants():
+    for kw in (dict(), dict(attention_bias=True, mlp_bias=True), dict(qk_norm=True, model_type="qwen3"),
+               dict(tie_word_embeddings=True), dict(attention_bias=True, model_type="qwen2")):
+        cfg = ModelConfig(vocab_size=17, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, **kw)
+        m = Transformer(cfg)
+        assert cfg.num_params == sum(p.numel() for p in set(m.parameters()))
+
+
+# ---- bad input: one-line errors naming the problem ----
+
+def _saved(tmp_path):
+    model = spinwheel.load_model("test", vocab_size=50)
+    model.save_pretrained(str(tmp_path))
+    return tmp_path
+
+
+def test_missing_checkpoint_file(tmp_path):
+    _saved(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
+        spinwheel.load_model(tmp_path)
+    with pytest.raises(CheckpointError, match="checkpoint directory not found"):
+        spinwheel.load_model(tmp_path / "nope")
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        spinwheel.load_model(tmp_path)
+
+
+def test_unsupported_model_type(tmp_path):
+    _saved(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported model_type 'gpt2'") as e:
+        spinwheel.load_model(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_mismatched_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _saved(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    bad = dict(tensors)
+    bad.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        spinwheel.load_model(tmp_path)
+    bad = dict(tensors)
+    bad["model.norm.weight"] = torch.ones(7)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' has shape \(7,\), expected \(32,\)"):
+        spinwheel.load_model(tmp_path)
+    bad = dict(tensors)
+    bad["model.layers.9.extra.weight"] = torch.ones(2)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.9.extra.weight'"):
+        spinwheel.load_model(tmp_path)
+
+
+def test_bad_config_values(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        ModelConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ConfigError, match="'hidden_act' must be 'silu'"):
+        ModelConfig(hidden_act="gelu")
+    _saved(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="missing required key 'hidden_size'"):
+        spinwheel.load_model(tmp_path)
