@@ -45,7 +45,7 @@ def run_generate(config: GenerateConfig) -> list[str]:
     tokenizer = load_tokenizer(config.model)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if config.chat else p
                for p in config.prompt]
-    ids = tokenizer.encode_batch(prompts, add_bos=True)
+    ids = tokenizer.encode_batch(prompts)
     out = generate(model, ids, config.max_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0,
                    temperature=config.temperature, seed=config.seed)
     texts = [tokenizer.decode(o) for o in out]

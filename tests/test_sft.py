@@ -108,5 +108,7 @@ def test_training_reduces_loss_on_jsonl_chat_data(tmp_path):
     data = build_data(cfg, Tokenizer.char_level())
     assert len(data.train) + len(data.eval) == 7 and len(data.eval) == 1
     assert any("<|assistant|>" in e.prompt for e in data.train + data.eval)  # messages rendered by the template
+    bos = Tokenizer.char_level().bos_id
+    assert all(e.prompt_ids[0] == bos and e.prompt_ids[1] != bos for e in data.train + data.eval)  # one BOS
     result = train_sft(cfg)
     assert result["losses"][-1] < 0.5 * result["losses"][0]

@@ -14,13 +14,14 @@ def test_char_level_round_trip_and_specials():
     assert tok.vocab_size == 100
     assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
     text = "12+34=46\n hello, World!"
-    ids = tok.encode(text, add_bos=True)
+    ids = tok.encode(text)
     assert ids[0] == tok.bos_id and len(ids) == len(text) + 1
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
     assert tok.decode(ids) == text
     assert tok.decode(ids, skip_special_tokens=False).startswith("<bos>")
-    assert tok.encode_batch([text, "7"], add_bos=True) == [ids, [tok.bos_id, tok.encode("7")[0]]]
-    assert tok.encode("é") == [3]  # unknown characters map to <unk>
-    assert len({tok.encode(c)[0] for c in CHAR_ALPHABET}) == len(CHAR_ALPHABET)
+    assert tok.encode_batch([text, "7"]) == [ids, tok.encode("7")]
+    assert tok.encode("é", add_special_tokens=False) == [3]  # unknown characters map to <unk>
+    assert len({tok.encode(c, add_special_tokens=False)[0] for c in CHAR_ALPHABET}) == len(CHAR_ALPHABET)
 
 
 def test_saved_tokenizer_loads_in_tokenizers_and_transformers(tmp_path):
@@ -31,8 +32,9 @@ def test_saved_tokenizer_loads_in_tokenizers_and_transformers(tmp_path):
     text = "3-15=-12 ok"
     assert RustTokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids == tok.encode(text)
     fast = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
-    assert fast.encode(text) == tok.encode(text)
-    assert fast.decode(tok.encode(text, add_bos=True), skip_special_tokens=True) == text
+    assert fast.encode(text) == tok.encode(text)  # both prepend BOS
+    assert fast.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+    assert fast.decode(tok.encode(text), skip_special_tokens=True) == text
     assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (1, 2, 0)
     back = Tokenizer.from_pretrained(tmp_path)
     assert back.encode(text) == tok.encode(text) and back.chat_template == tok.chat_template

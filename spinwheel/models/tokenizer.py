@@ -13,15 +13,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Printable ASCII (95) plus newline; with the four specials the built-in vocabulary has 100 tokens.
 CHAR_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
-# A minimal chat template for the built-in model (role tags in plain characters).
+# A minimal chat template for the built-in model (role tags in plain characters). Like HF templates it writes
+# the BOS token itself, so rendered chats are encoded with ``add_special_tokens=False``.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -70,6 +71,9 @@ class Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         backend.decoder = decoders.Fuse()
         backend.add_special_tokens([PAD, BOS, EOS, UNK])
+        # Like Llama's tokenizers: encoding with special tokens prepends BOS.
+        backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                               special_tokens=[(BOS, vocab[BOS])])
         return cls(backend, BOS, EOS, PAD, DEFAULT_CHAT_TEMPLATE)
 
     @classmethod
@@ -120,13 +124,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the tokenizer's post-processor adds what the model
+        expects around a prompt (BOS for the built-in and Llama-style tokenizers), as ``transformers`` does."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: list[str], add_bos: bool = False) -> list[list[int]]:
-        prefix = [self.bos_id] if add_bos and self.bos_id is not None else []
-        return [prefix + e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

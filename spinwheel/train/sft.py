@@ -108,43 +108,44 @@ def build_data(config: SFTConfig, tokenizer: Tokenizer) -> SFTData:
     """Tokenize the built-in arithmetic task or ``config.data``; examples longer than ``max_seq_len`` are dropped."""
     if tokenizer.eos_id is None:
         raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
-    pairs_train: list[tuple[str, str]]
-    pairs_eval: list[tuple[str, str]]
+    # (prompt text, prompt ids, reference completion). Raw prompts get the tokenizer's special tokens (BOS);
+    # chat-rendered prompts already carry them, as HF chat templates write BOS themselves.
+    rows_train: list[tuple[str, list[int], str]]
+    rows_eval: list[tuple[str, list[int], str]]
     if config.data is None:
         task = ArithmeticTask(config.task)
-        pairs_train = [(e.prompt, e.answer) for e in task.train]
-        pairs_eval = [(e.prompt, e.answer) for e in task.test]
+        rows_train = [(e.prompt, tokenizer.encode(e.prompt), e.answer) for e in task.train]
+        rows_eval = [(e.prompt, tokenizer.encode(e.prompt), e.answer) for e in task.test]
         score: Callable[[str, str], float] = reward
     else:
-        pairs = []
+        rows = []
         for r in read_sft_jsonl(config.data):
             if r.messages is not None:
                 prompt = tokenizer.apply_chat_template(r.messages[:-1], add_generation_prompt=True)
-                pairs.append((prompt, r.messages[-1]["content"]))
+                rows.append((prompt, tokenizer.encode(prompt, add_special_tokens=False), r.messages[-1]["content"]))
             else:
                 assert r.prompt is not None and r.completion is not None
-                pairs.append((r.prompt, r.completion))
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(config.seed)).tolist()
-        num_eval = max(1, int(len(pairs) * config.eval_fraction)) if len(pairs) > 1 else 0
-        pairs_eval = [pairs[i] for i in order[:num_eval]]
-        pairs_train = [pairs[i] for i in order[num_eval:]]
+                rows.append((r.prompt, tokenizer.encode(r.prompt), r.completion))
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
+        num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
+        rows_eval = [rows[i] for i in order[:num_eval]]
+        rows_train = [rows[i] for i in order[num_eval:]]
         score = exact_match
 
     dropped = 0
 
-    def tokenize(pairs: list[tuple[str, str]]) -> list[SFTExample]:
+    def tokenize(rows: list[tuple[str, list[int], str]]) -> list[SFTExample]:
         nonlocal dropped
-        prompts = tokenizer.encode_batch([p for p, _ in pairs], add_bos=True)
-        completions = tokenizer.encode_batch([c for _, c in pairs])
+        completions = tokenizer.encode_batch([c for _, _, c in rows], add_special_tokens=False)
         out = []
-        for (p, c), p_ids, c_ids in zip(pairs, prompts, completions):
+        for (p, p_ids, c), c_ids in zip(rows, completions):
             if len(p_ids) + len(c_ids) + 1 > config.max_seq_len:
                 dropped += 1
                 continue
             out.append(SFTExample(p, c, tuple(p_ids), tuple(c_ids) + (tokenizer.eos_id,)))  # type: ignore[operator]
         return out
 
-    train, evaluation = tokenize(pairs_train), tokenize(pairs_eval)
+    train, evaluation = tokenize(rows_train), tokenize(rows_eval)
     if not train:
         raise ValueError(f"no training examples left (dropped {dropped} longer than --max-seq-len "
                          f"{config.max_seq_len}); raise --max-seq-len or check --data")
@@ -192,10 +193,9 @@ def completion_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     return loss, {"num_tokens": float(num_tokens)}
 
 
-def greedy_completions(model: Transformer, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int
+def greedy_completions(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int
                        ) -> list[str]:
-    ids = tokenizer.encode_batch(prompts, add_bos=True)
-    out = generate(model, ids, max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
+    out = generate(model, prompts, max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
     return [tokenizer.decode(o) for o in out]
 
 
@@ -205,7 +205,7 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, data: SFTData, num_exampl
     examples = data.eval[:num_examples]
     if not examples:
         return {"exact_match": None, "samples": []}
-    completions = greedy_completions(model, tokenizer, [e.prompt for e in examples], max_new_tokens)
+    completions = greedy_completions(model, tokenizer, [list(e.prompt_ids) for e in examples], max_new_tokens)
     scores = [data.score(c, e.reference) for c, e in zip(completions, examples)]
     samples = [(e.prompt, c, e.reference) for e, c in zip(examples[:8], completions)]
     return {"exact_match": sum(scores) / len(scores), "samples": samples}
