@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     _sft_parser(sub, "sft", "supervised fine-tuning (built-in arithmetic task or --data JSONL)", SFTConfig())
     p = sub.add_parser("generate", help="complete prompts with a checkpoint")
     add_arguments(p, GenerateConfig)
+    from spinwheel.engine import EngineConfig
+    from spinwheel.server.serve import ServeConfig
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+                       description="OpenAI-compatible HTTP server on the paged-attention engine")
+    add_arguments(p, ServeConfig)
+    add_arguments(p, EngineConfig, prefix="engine-")
     return parser
 
 
@@ -120,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"held-out exact match: {result['eval_after']['exact_match']:.1%}")
         elif ns.command == "generate":
             run_generate(from_args(GenerateConfig, ns))
+        elif ns.command == "serve":
+            from spinwheel.engine import EngineConfig
+            from spinwheel.server.serve import ServeConfig, serve
+
+            serve(from_args(ServeConfig, ns), from_args(EngineConfig, ns, prefix="engine-"))
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, OSError) as e:

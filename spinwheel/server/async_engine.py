@@ -1,0 +1,161 @@
+"""The engine on its own thread, with an asyncio face.
+
+:class:`~spinwheel.engine.LLMEngine` is synchronous and not thread-safe, and one ``step`` is a model forward that
+would block an event loop. So the engine lives on one dedicated thread that owns it outright: request handlers
+post ``add`` / ``abort`` commands to a queue, the thread applies them between steps, runs ``step`` while any request
+is unfinished, and hands each :class:`RequestOutput` back to the handler's asyncio queue with
+``call_soon_threadsafe``. The event loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from spinwheel.engine import LLMEngine, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (after an internal error); the server reports unhealthy."""
+
+
+class EngineStepError(RuntimeError):
+    """One engine step raised; the requests in it were aborted and the engine keeps serving."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Drive an :class:`LLMEngine` from asyncio code: ``async for out in engine.generate(...)``."""
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None,
+                 idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.num_step_errors = 0
+        self._thread = threading.Thread(target=self._run, name="spinwheel-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- asyncio side ----
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as they progress; the last one has ``finished``. Leaving the
+        loop early (a client that disconnected, a cancelled task) aborts the request and frees its blocks."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._post(("add", request_id, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ---- engine thread ----
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, params, stream = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as e:  # bad request: hand the error to its handler, keep serving
+                    stream.put(e)
+                    continue
+                self._streams[request_id] = stream
+            else:
+                if self.engine.abort(command[1]):
+                    self._streams.pop(command[1], None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                    continue
+                t0 = time.monotonic()
+                try:
+                    outputs = self.engine.step(stream=True)
+                except Exception as e:  # an engine bug on some input: fail the requests in flight, keep serving
+                    logger.exception("engine step failed; aborting the requests in flight")
+                    self.num_step_errors += 1
+                    self._fail_all(EngineStepError(f"the engine failed on this batch: {e!r}"), abort=True)
+                    continue
+                now = time.monotonic()
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue  # aborted by its handler
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+                if self._on_step is not None:
+                    self._on_step(outputs, now - t0)
+        except BaseException as e:  # the thread itself broke: fail every waiting request instead of hanging it
+            logger.exception("engine thread stopped")
+            self.error = e
+            self._fail_all(EngineDeadError(f"the engine stopped: {e!r}"), abort=False)
+
+    def _fail_all(self, error: Exception, abort: bool) -> None:
+        for request_id, stream in self._streams.items():
+            stream.put(error)
+            if abort:
+                try:
+                    self.engine.abort(request_id)
+                except Exception:  # noqa: BLE001 - best effort; the error already reached the client
+                    logger.exception("abort of %s failed", request_id)
+        self._streams.clear()
+        if abort:
+            try:
+                self.engine.step(stream=False)  # let the engine free the aborted requests' blocks
+            except Exception:  # noqa: BLE001
+                logger.exception("engine step after a failure also failed")

@@ -1,0 +1,59 @@
+"""Prometheus metrics of the server (names after vLLM's, prefixed ``spinwheel_``).
+
+Engine state (running / waiting / swapped requests, KV usage, preemptions, prefix-cache hit rate, token counters)
+is read from the engine when ``/metrics`` is scraped; latencies are observed per request as it finishes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from spinwheel.engine import LLMEngine
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        for name, doc, value in (
+                ("spinwheel_num_requests_running", "Requests in the running batch.", s.num_running),
+                ("spinwheel_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                ("spinwheel_num_requests_swapped", "Requests preempted to the CPU swap pool.", s.num_swapped),
+                ("spinwheel_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage),
+                ("spinwheel_num_free_kv_blocks", "Free KV-cache blocks on the device.", s.num_free_blocks),
+                ("spinwheel_num_kv_blocks", "KV-cache blocks on the device.", s.num_blocks),
+                ("spinwheel_prefix_cache_hit_rate", "Prompt blocks served from the prefix cache (0..1).",
+                 s.prefix_cache_hit_rate),
+                ("spinwheel_generation_tokens_per_second", "Recent generation throughput.",
+                 s.generation_tokens_per_s)):
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+                ("spinwheel_num_preemptions", "Preemptions since start.", s.num_preemptions),
+                ("spinwheel_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+                 s.num_prompt_tokens),
+                ("spinwheel_generation_tokens", "Tokens generated.", s.num_generated_tokens)):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))  # type: ignore[arg-type]
+        r = self.registry
+        self.requests = Counter("spinwheel_requests", "Finished requests by finish reason.", ["finished_reason"],
+                                registry=r)
+        self.http_errors = Counter("spinwheel_http_errors", "Requests answered with an error, by status.",
+                                   ["status"], registry=r)
+        self.ttft = Histogram("spinwheel_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("spinwheel_inter_token_latency_seconds", "Time between streamed tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("spinwheel_e2e_request_latency_seconds", "Arrival to finish.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("spinwheel_engine_step_seconds", "Duration of one engine step.",
+                                   buckets=_LATENCY_BUCKETS, registry=r)

@@ -1,0 +1,97 @@
+"""``spinwheel serve``: load a checkpoint into the engine and serve it over HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from spinwheel.config import option
+from spinwheel.engine import EngineConfig, LLMEngine
+from spinwheel.server.app import OpenAIServer
+
+
+@dataclass
+class ServeConfig:
+    """OpenAI-compatible HTTP server."""
+
+    model: str = option("runs/demo/checkpoint", help="HF checkpoint directory or built-in preset to serve")
+    host: str = option("127.0.0.1", help="address to bind (loopback unless told otherwise)")
+    port: int = option(8000, help="TCP port")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes "
+                                            "(default: $SPINWHEEL_API_KEY if set)")
+    served_model_name: str | None = option(None, help="model id clients send (default: the --model directory's "
+                                                      "name, or the preset name)")
+    max_body_mb: float = option(1.0, help="largest accepted request body, MiB (larger: HTTP 413)")
+    log_level: str = option("info", help="uvicorn log level")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_body_mb <= 0:
+            raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+
+
+def model_name(config: ServeConfig) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    path = Path(config.model)
+    return (path.parent.name if path.name == "checkpoint" else path.name) or str(config.model)
+
+
+def build_server(config: ServeConfig, engine_config: EngineConfig | None = None) -> OpenAIServer:
+    engine = LLMEngine.from_pretrained(config.model, engine_config or EngineConfig())
+    api_key = config.api_key or os.environ.get("SPINWHEEL_API_KEY")
+    return OpenAIServer(engine, model_name(config), api_key, int(config.max_body_mb * (1 << 20)))
+
+
+def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> None:
+    import uvicorn
+
+    server = build_server(config, engine_config)
+    s = server.engine.stats()
+    print(f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
+          f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; "
+          f"http://{config.host}:{config.port}/v1", flush=True)
+    try:
+        uvicorn.run(server.app, host=config.host, port=config.port, log_level=config.log_level)
+    finally:
+        server.shutdown()
+
+
+class BackgroundServer:
+    """Run a server on a free loopback port in a background thread (tests, benchmarks, notebooks)."""
+
+    def __init__(self, server: OpenAIServer, host: str = "127.0.0.1", port: int = 0) -> None:
+        import socket
+
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+        self.server, self.host, self.port = server, host, port
+        self._uvicorn = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "BackgroundServer":
+        import time
+
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(10)
+        self.server.shutdown()
