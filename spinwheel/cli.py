@@ -37,20 +37,25 @@ class GenerateConfig:
 
 
 def run_generate(config: GenerateConfig) -> list[str]:
-    from spinwheel.models.generate import generate
-    from spinwheel.models.hf import load_model
-    from spinwheel.models.tokenizer import load_tokenizer
+    """Complete the prompts with the serving engine (paged KV cache, continuous batching)."""
+    from spinwheel.engine import LLM, SamplingParams
 
-    model = load_model(config.model, dtype=config.dtype, device=config.device)
-    tokenizer = load_tokenizer(config.model)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if config.chat else p
-               for p in config.prompt]
-    ids = tokenizer.encode_batch(prompts)
-    out = generate(model, ids, config.max_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0,
-                   temperature=config.temperature, seed=config.seed)
-    texts = [tokenizer.decode(o) for o in out]
-    for p, t in zip(prompts, texts):
-        print(f"{p}{t}")
+    llm = LLM(config.model, dtype=config.dtype, device=config.device)
+    tokenizer = llm.tokenizer
+    assert tokenizer is not None
+    if config.chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in config.prompt]
+        ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]  # the template writes BOS
+    else:
+        prompts = list(config.prompt)
+        ids = tokenizer.encode_batch(prompts)
+    params = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed)
+    texts = []
+    for prompt, out in zip(prompts, llm.generate(ids, params)):
+        if out.error:
+            raise ValueError(f"prompt {prompt!r}: {out.error}")
+        texts.append(out.outputs[0].text)
+        print(f"{prompt}{out.outputs[0].text}")
     return texts
 
 

@@ -51,6 +51,8 @@ class SFTConfig:
     eval_every: int = option(500, help="evaluate held-out exact match every N steps (0: only at the end)")
     eval_examples: int = option(500, help="held-out examples per evaluation")
     max_new_tokens: int = option(16, help="max tokens generated per held-out prompt at evaluation")
+    eval_engine: bool = option(True, help="evaluate with the paged-attention serving engine (--no-eval-engine: "
+                                          "the plain reference generate loop)")
     save_every: int = option(500, help="write a checkpoint every N steps (0: only at the end)")
     max_seq_len: int = option(256, help="longer examples are dropped (their count is reported)")
     seed: int = option(0, help="seed of the model init and the data order")
@@ -193,19 +195,38 @@ def completion_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     return loss, {"num_tokens": float(num_tokens)}
 
 
-def greedy_completions(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int
-                       ) -> list[str]:
-    out = generate(model, prompts, max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
-    return [tokenizer.decode(o) for o in out]
+Generate = Callable[[list[list[int]], int], list[str]]  # (prompt ids, max new tokens) -> completions
 
 
-def evaluate(model: Transformer, tokenizer: Tokenizer, data: SFTData, num_examples: int, max_new_tokens: int
-             ) -> dict[str, Any]:
+def plain_generate(model: Transformer, tokenizer: Tokenizer) -> Generate:
+    """Greedy completions with the plain (non-paged) reference loop."""
+    def run(prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+        out = generate(model, prompts, max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
+        return [tokenizer.decode(o) for o in out]
+    return run
+
+
+def engine_generate(model: Transformer, tokenizer: Tokenizer, max_model_len: int) -> Generate:
+    """Greedy completions with the serving engine over the trained model's own weights (no copy). The engine's
+    paged kernels fall back to dense attention for training forwards; the prefix cache is dropped before each
+    evaluation because the weights changed since the last one."""
+    from spinwheel.engine import LLM, SamplingParams
+
+    llm = LLM(model, tokenizer, max_model_len=max_model_len)
+
+    def run(prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+        llm.update_weights(model)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
+        return [o.outputs[0].text for o in outs]
+    return run
+
+
+def evaluate(generate_fn: Generate, data: SFTData, num_examples: int, max_new_tokens: int) -> dict[str, Any]:
     """Held-out score with greedy decoding: mean of ``data.score`` and a few (prompt, completion, reference)."""
     examples = data.eval[:num_examples]
     if not examples:
         return {"exact_match": None, "samples": []}
-    completions = greedy_completions(model, tokenizer, [list(e.prompt_ids) for e in examples], max_new_tokens)
+    completions = generate_fn([list(e.prompt_ids) for e in examples], max_new_tokens)
     scores = [data.score(c, e.reference) for c, e in zip(completions, examples)]
     samples = [(e.prompt, c, e.reference) for e, c in zip(examples[:8], completions)]
     return {"exact_match": sum(scores) / len(scores), "samples": samples}
@@ -241,8 +262,14 @@ def train_sft(config: SFTConfig, on_eval: Callable[[int, dict[str, Any]], None] 
 
     result: dict[str, Any] = {"start_step": start_step}
 
+    if config.eval_engine:
+        longest = max((len(e.prompt_ids) for e in data.eval), default=1)
+        generate_fn = engine_generate(model, tokenizer, longest + config.max_new_tokens + 1)
+    else:
+        generate_fn = plain_generate(model, tokenizer)
+
     def run_eval(step: int) -> dict[str, Any]:
-        ev = evaluate(model, tokenizer, data, config.eval_examples, config.max_new_tokens)
+        ev = evaluate(generate_fn, data, config.eval_examples, config.max_new_tokens)
         logger.log({"step": step, "eval_exact_match": ev["exact_match"]})
         if on_eval is not None:
             on_eval(step, ev)
