@@ -1,0 +1,21 @@
+"""Distributed training on ``torch.distributed``: collectives → module wrappers → schedules.
+
+* :mod:`~spinwheel.parallel.mesh` — :class:`ParallelDims`, the rank grid and its process groups;
+* :mod:`~spinwheel.parallel.comm` — collectives with ZeRO-style volume counters and timeouts;
+* :mod:`~spinwheel.parallel.ddp`, :mod:`~spinwheel.parallel.zero`, :mod:`~spinwheel.parallel.fsdp` — data parallelism
+  (DDP, ZeRO-1/2, FSDP = ZeRO-3, HSDP);
+* :mod:`~spinwheel.parallel.tensor` — Megatron tensor parallelism; :mod:`~spinwheel.parallel.pipeline` — GPipe / 1F1B;
+  :mod:`~spinwheel.parallel.remat` — activation re-materialisation;
+* :mod:`~spinwheel.parallel.parallelize` — applies them in order; :mod:`~spinwheel.parallel.train` — the training
+  step the trainers call; :mod:`~spinwheel.parallel.checkpoint` — sharded save/resume and HF consolidation;
+  :mod:`~spinwheel.parallel.launch` — torchrun start-up and local spawning.
+"""
+
+from spinwheel.parallel.comm import Comm, CommStats
+from spinwheel.parallel.launch import init_distributed, spawn
+from spinwheel.parallel.mesh import Axis, ParallelDims, ParallelError
+from spinwheel.parallel.parallelize import ParallelModel, parallelize
+from spinwheel.parallel.train import ParallelConfig, ParallelTrainer
+
+__all__ = ["Axis", "Comm", "CommStats", "ParallelConfig", "ParallelDims", "ParallelError", "ParallelModel",
+           "ParallelTrainer", "init_distributed", "parallelize", "spawn"]

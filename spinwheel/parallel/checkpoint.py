@@ -1,0 +1,105 @@
+"""Sharded training checkpoints, and consolidation into a full Hugging Face checkpoint.
+
+``save_sharded`` writes one file per rank (``rank00000.pt`` …): that rank's own parameters — flat shards under
+FSDP/ZeRO-3, tensor-parallel slices, its pipeline stage — its optimizer state and the layout, plus ``layout.json``.
+``load_sharded`` restores them on the same layout (a different layout is refused with a message saying which).
+
+``full_state_dict`` undoes the layout collectively: FSDP units are all-gathered, tensor-parallel slices concatenated
+along their split dim, pipeline stages exchanged; every rank gets every parameter under its original name.
+``save_hf`` then writes ``config.json`` + safetensors from rank 0 through :func:`spinwheel.models.hf.save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from spinwheel.parallel.fsdp import FullyShardedDataParallel
+from spinwheel.parallel.parallelize import ParallelModel
+from spinwheel.parallel.zero import ZeroDataParallel
+
+
+def _layout(pm: ParallelModel) -> dict:
+    d = pm.dims
+    return {"world_size": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
+            "pp": d.pp, "dp_kind": pm.dp_kind}
+
+
+def _barrier(pm: ParallelModel) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_sharded(trainer, path: str | os.PathLike) -> None:
+    """Write this rank's training state to ``path/rankNNNNN.pt`` (collective: every rank calls it)."""
+    pm = trainer.pm
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {"layout": _layout(pm), "model": pm.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+             "num_steps": trainer.num_steps}
+    if isinstance(pm.module, ZeroDataParallel):  # mixed precision keeps separate fp32 masters
+        state["masters"] = [bk.master.detach() for bk in pm.module.buckets]
+    torch.save(state, out / f"rank{pm.dims.rank:05d}.pt")
+    if pm.dims.rank == 0:
+        (out / "layout.json").write_text(json.dumps(_layout(pm), indent=2) + "\n")
+    _barrier(pm)
+
+
+def load_sharded(trainer, path: str | os.PathLike) -> None:
+    """Restore what :func:`save_sharded` wrote, on the same layout."""
+    pm = trainer.pm
+    file = Path(path) / f"rank{pm.dims.rank:05d}.pt"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no shard for rank {pm.dims.rank}; was the checkpoint saved with "
+                                f"{pm.dims.world_size} processes?")
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    if state["layout"] != _layout(pm):
+        raise ValueError(f"{path}: saved with layout {state['layout']}, but this run is {_layout(pm)}; resume "
+                         "with the same degrees, or consolidate with save_hf and start from the HF checkpoint")
+    pm.module.load_state_dict(state["model"])
+    if "masters" in state:
+        with torch.no_grad():
+            for bk, master in zip(pm.module.buckets, state["masters"]):
+                bk.master.copy_(master)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.num_steps = state["num_steps"]
+
+
+def full_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    """Every parameter of the original model, unsharded, by its original name (collective over all ranks)."""
+    dims, comm = pm.dims, pm.dims.comm
+    if isinstance(pm.module, FullyShardedDataParallel):
+        local = pm.module.full_state()
+    else:
+        local = {n: p.detach().clone() for n, p in pm.stage.named_parameters(remove_duplicate=False)}
+    for name, dim in pm.tp_shard_dims.items():
+        if name in local:
+            local[name] = torch.cat(comm.all_gather_list(local[name].contiguous(), dims.tp_axis), dim=dim)
+    full: dict[str, torch.Tensor] = {}
+    for part in comm.all_gather_object(local, dims.pp_axis):
+        full.update(part)
+    config = pm.stage.config
+    if config.tie_word_embeddings and "embed_tokens.weight" in full:
+        full["lm_head.weight"] = full["embed_tokens.weight"]
+    return full
+
+
+def save_hf(pm: ParallelModel, path: str | os.PathLike) -> None:
+    """Consolidate the parallel model into a full HF checkpoint at ``path`` (collective; rank 0 writes)."""
+    from spinwheel.models.transformer import Transformer
+
+    state = full_state_dict(pm)
+    if pm.dims.rank == 0:
+        model = Transformer(pm.stage.config)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary")]
+        if missing or unexpected:
+            raise RuntimeError(f"consolidated state does not match the model: missing {missing}, "
+                               f"unexpected {unexpected}")
+        model.save_pretrained(str(path))
+    _barrier(pm)

@@ -1,0 +1,84 @@
+"""Apply the parallel techniques to a model from outside, in a fixed order (torchtitan's ``parallelize``):
+
+1. **pipeline cut** — keep only this rank's stage (:class:`~spinwheel.parallel.pipeline.PipelineStage`); later steps
+   see only the stage's layers;
+2. **tensor parallelism** — swap in column/row/vocab-parallel layers (they must exist before anything flattens or
+   wraps the parameters);
+3. **re-materialisation** — checkpoint each block's forward (inside TP, so recomputation re-runs TP's collectives,
+   and inside the data-parallel wrapper, whose hooks sit around the block's call);
+4. **data parallelism** — exactly one of DDP (``zero=0``), ZeRO-1/2 (``zero=1|2``), ZeRO-3 (``zero=3``: FSDP units,
+   no prefetch), FSDP (``fsdp``) or HSDP (``hsdp=F``) over the ``dp`` axis; it wraps last because it owns the final
+   parameter storage (buckets, flat shards).
+
+The model (:class:`~spinwheel.models.transformer.Transformer`) knows none of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from spinwheel.parallel.ddp import DistributedDataParallel
+from spinwheel.parallel.fsdp import FullyShardedDataParallel
+from spinwheel.parallel.mesh import ParallelDims, ParallelError
+from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage
+from spinwheel.parallel.remat import apply_remat
+from spinwheel.parallel.tensor import apply_tensor_parallel
+from spinwheel.parallel.zero import ZeroDataParallel
+
+
+@dataclass
+class ParallelModel:
+    """A model after :func:`parallelize`.
+
+    ``module`` is what to call (the data-parallel wrapper), ``stage`` the model or pipeline stage inside it,
+    ``tp_shard_dims`` the tensor-parallel split of each sharded parameter, ``pipeline`` the schedule when pp > 1.
+    """
+
+    module: nn.Module
+    stage: nn.Module
+    dims: ParallelDims
+    dp_kind: str
+    tp_shard_dims: dict[str, int] = field(default_factory=dict)
+    pipeline: PipelineSchedule | None = None
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, *, zero: int = 0, fsdp: bool = False, remat: bool = False,
+                bucket_mb: float = 25.0, schedule: str = "1f1b") -> ParallelModel:
+    """Cut, shard and wrap ``model`` for the layout ``dims`` (see the module docstring for the order)."""
+    dims.validate_model(model.config)
+    comm = dims.comm
+    dtype = next(model.parameters()).dtype
+    if zero not in (0, 1, 2, 3):
+        raise ParallelError(f"zero must be 0, 1, 2 or 3, got {zero}")
+    if fsdp and zero:
+        raise ParallelError("choose either --fsdp/--hsdp or --zero (ZeRO-3 is FSDP without prefetch)")
+    if dims.dp_replicate > 1 and not fsdp:
+        raise ParallelError("dp_replicate > 1 is hybrid sharding: it needs fsdp (--hsdp F)")
+    stage: nn.Module = model
+    if dims.pp > 1:
+        tied = bool(model.config.tie_word_embeddings)
+        if tied and (fsdp or zero >= 2):
+            raise ParallelError("tied embeddings across pipeline stages need zero 0 or 1 (their gradients are summed "
+                                "over the first and last stage before the data-parallel reduction); untie the "
+                                "embeddings or choose --zero 0/1")
+        stage = PipelineStage(model, dims.pp_axis.rank, dims.pp)
+    shard_dims = apply_tensor_parallel(stage, dims.tp_axis, comm)
+    if remat:
+        apply_remat(stage)
+    if fsdp:
+        module: nn.Module = FullyShardedDataParallel(stage, dims.dp_shard_axis, comm,
+                                                     replicate_axis=dims.dp_replicate_axis, dp_axis=dims.dp_axis)
+        kind = "hsdp" if dims.dp_replicate > 1 else "fsdp"
+    elif zero == 3:
+        module = FullyShardedDataParallel(stage, dims.dp_axis, comm, prefetch=False)
+        kind = "zero3"
+    elif zero in (1, 2):
+        module = ZeroDataParallel(stage, dims.dp_axis, comm, stage=zero, bucket_mb=bucket_mb)
+        kind = f"zero{zero}"
+    else:
+        module = DistributedDataParallel(stage, dims.dp_axis, comm, bucket_mb=bucket_mb)
+        kind = "ddp"
+    pipeline = PipelineSchedule(stage, dims.pp_axis, comm, schedule, dtype=dtype) if dims.pp > 1 else None
+    return ParallelModel(module, stage, dims, kind, shard_dims, pipeline)

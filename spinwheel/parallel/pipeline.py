@@ -1,0 +1,239 @@
+"""Pipeline parallelism: GPipe (Huang et al., 2019) and 1F1B (PipeDream-Flush; Narayanan et al., 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2).
+
+The layer stack is cut into K balanced stages (:func:`stage_layer_ranges`); stage 0 also holds the embedding, stage
+K−1 the final norm and head. A mini-batch is split into M micro-batches. Stages exchange activations (forward) and
+their gradients (backward) point-to-point over the ``pp`` axis: sends are non-blocking, receives blocking, and every
+pair of stages sends and receives in the same order, so neither schedule can deadlock.
+
+* **GPipe**: all M forwards, then all M backwards. Stored activations peak at M micro-batches.
+* **1F1B**: stage s runs K−s−1 warm-up forwards, then alternates one forward / one backward, then drains. At most
+  K−s micro-batches are in flight, so peak stored activations are K/M of GPipe's for M ≥ K.
+
+Both leave the same idle "bubble" per stage: (K−1)/(M+K−1) of the step (:func:`bubble_fraction`). The schedule
+records the compute intervals of each stage so the bubble can be measured, and (optionally) the bytes autograd
+saves per micro-batch so peak activation memory can be measured.
+
+Tied embeddings across stages (the head on stage K−1 uses stage 0's embedding matrix) are kept as two copies whose
+gradients are summed over the first/last-stage group (:func:`sync_tied_weights`), as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+from torch import nn
+
+from spinwheel.models.transformer import AttentionMask
+from spinwheel.parallel.comm import Comm, Handle
+from spinwheel.parallel.mesh import Axis
+
+Schedule = Literal["gpipe", "1f1b"]
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """The idle fraction of a pipeline step with equal stage costs: (K−1)/(M+K−1)."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """Consecutive, balanced layer ranges (sizes differ by at most one; earlier stages take the extra layers)."""
+    if num_stages > num_layers:
+        raise ValueError(f"cannot cut {num_layers} layers into {num_stages} pipeline stages; use pp ≤ {num_layers}")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+class PipelineStage(nn.Module):
+    """Stage ``stage`` of ``num_stages`` of a :class:`~spinwheel.models.transformer.Transformer`.
+
+    Holds the model's own submodules under their original names (``layers`` is a ModuleDict keyed by the original
+    layer index), so state-dict keys match the full model. Forward: token ids (B, T) on stage 0 or hidden states
+    (B, T, C) elsewhere -> hidden states, or logits (B, T, V) on the last stage. Plain causal attention only
+    (right-padded batches whose padding is masked in the loss).
+    """
+
+    def __init__(self, model: nn.Module, stage: int, num_stages: int) -> None:
+        super().__init__()
+        self.stage, self.num_stages = stage, num_stages
+        self.config = model.config
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.layer_range = stage_layer_ranges(len(model.layers), num_stages)[stage]
+        self.tied = bool(model.config.tie_word_embeddings) and num_stages > 1
+        self.embed_tokens = model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in self.layer_range})
+        self.norm = model.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+        if self.is_last and self.tied and not self.is_first:
+            self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # the last stage's copy
+        self.rotary = model.rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)  # (B, T) -> (B, T, C)
+        b, t = x.shape[:2]
+        if positions is None:
+            positions = torch.arange(t, device=x.device).expand(b, t)
+        cos, sin = self.rotary(positions, x.dtype)  # (B, T, D)
+        meta = AttentionMask(None)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, meta)
+        if self.is_last:
+            x = self.lm_head(self.norm(x))  # (B, T, V)
+        return x
+
+
+def tied_weight(stage: nn.Module) -> torch.Tensor | None:
+    """The tied embedding/head weight this stage holds (first: the embedding, last: the head), if any."""
+    if not getattr(stage, "tied", False):
+        return None
+    if stage.embed_tokens is not None:
+        return stage.embed_tokens.weight
+    return stage.lm_head.weight if stage.lm_head is not None else None
+
+
+def sync_tied_weights(stage: nn.Module, axis: Axis, comm: Comm) -> None:
+    """Sum the tied weight's gradient over the first/last-stage group (``ParallelDims.pp_ends_axis``)."""
+    w = tied_weight(stage)
+    if w is not None and axis.size > 1:
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        comm.all_reduce(w.grad, axis)
+
+
+@dataclass
+class PipelineStats:
+    """What one step of the schedule did on this stage (times from ``time.monotonic``, shared by local ranks)."""
+
+    start: float = 0.0
+    end: float = 0.0
+    busy: float = 0.0  # seconds spent in forward/backward compute
+    intervals: list[tuple[str, int, float, float]] = field(default_factory=list)  # (op, micro-batch, start, end)
+    max_in_flight: int = 0  # micro-batches forwarded but not yet backwarded, at most
+    peak_activation_bytes: int = 0  # bytes autograd saved for in-flight micro-batches, at most
+
+    def bubble(self, start: float | None = None, end: float | None = None) -> float:
+        """Idle fraction of [start, end] (default: this stage's own step window)."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        return 1.0 - self.busy / (end - start)
+
+
+class PipelineSchedule:
+    """Runs one training step of ``stage`` over micro-batches with the GPipe or 1F1B schedule."""
+
+    def __init__(self, stage: nn.Module, axis: Axis, comm: Comm, schedule: Schedule = "1f1b",
+                 hidden_size: int | None = None, dtype: torch.dtype | None = None,
+                 track_activations: bool = False) -> None:
+        if schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"unknown pipeline schedule '{schedule}': use 'gpipe' or '1f1b'")
+        self.stage, self.axis, self.comm, self.schedule = stage, axis, comm, schedule
+        config = getattr(stage, "config", None)
+        self.hidden_size = hidden_size or config.hidden_size
+        self.dtype = dtype or next(p for p in stage.parameters()).dtype
+        self.track_activations = track_activations
+        self.stats = PipelineStats()
+
+    def step(self, microbatches: list[torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
+             module: nn.Module | None = None) -> torch.Tensor:
+        """Forward and backward every micro-batch; returns the summed loss on the last stage (0 elsewhere).
+
+        ``microbatches``: token ids (b, T) per micro-batch (later stages use only their shapes); ``loss_fn(out, i)``
+        maps the last stage's output for micro-batch i to a scalar that is already scaled for summation.
+        ``module`` is what to call (e.g. a data-parallel wrapper around the stage); default the stage itself.
+        """
+        run = module or self.stage
+        k, s = self.axis.size, self.axis.rank
+        first, last = s == 0, s == k - 1
+        m = len(microbatches)
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        stored: dict[int, int] = {}
+        sends: list[tuple[Handle, torch.Tensor]] = []
+        total = torch.zeros((), dtype=torch.float32)
+        stats = self.stats = PipelineStats()
+        live = 0
+        param_ptrs = {p.untyped_storage().data_ptr() for p in run.parameters()} if self.track_activations else set()
+
+        def forward(i: int) -> None:
+            nonlocal total, live
+            ids = microbatches[i]
+            if first:
+                x = ids
+            else:
+                x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype)  # (b, T, C)
+                self.comm.recv(x, self.axis, s - 1)
+                x.requires_grad_(True)
+            t0 = time.monotonic()
+            seen: dict[int, int] = {}
+            if self.track_activations:
+                def pack(t: torch.Tensor) -> torch.Tensor:
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in param_ptrs:
+                        seen[ptr] = t.untyped_storage().nbytes()
+                    return t
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = run(x)
+            else:
+                out = run(x)
+            if last:
+                loss = loss_fn(out, i)
+                total = total + loss.detach().float()
+                out = loss
+            t1 = time.monotonic()
+            stats.busy += t1 - t0
+            stats.intervals.append(("F", i, t0, t1))
+            if not last:
+                sent = out.detach()
+                sends.append((self.comm.isend(sent, self.axis, s + 1), sent))
+            inputs[i], outputs[i] = x, out
+            stored[i] = sum(seen.values())
+            live += stored[i]
+            stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
+            stats.max_in_flight = max(stats.max_in_flight, len(outputs))
+
+        def backward(i: int) -> None:
+            nonlocal live
+            out, x = outputs.pop(i), inputs.pop(i)
+            if last:
+                t0 = time.monotonic()
+                out.backward()
+            else:
+                grad = torch.empty_like(out)
+                self.comm.recv(grad, self.axis, s + 1)
+                t0 = time.monotonic()
+                torch.autograd.backward(out, grad)
+            t1 = time.monotonic()
+            stats.busy += t1 - t0
+            stats.intervals.append(("B", i, t0, t1))
+            if not first:
+                sends.append((self.comm.isend(x.grad, self.axis, s - 1), x.grad))
+            live -= stored.pop(i)
+
+        stats.start = time.monotonic()
+        if self.schedule == "gpipe":
+            for i in range(m):
+                forward(i)
+            for i in range(m):
+                backward(i)
+        else:
+            warmup = min(k - s - 1, m)
+            for i in range(warmup):
+                forward(i)
+            for i in range(m - warmup):
+                forward(warmup + i)
+                backward(i)
+            for i in range(m - warmup, m):
+                backward(i)
+        for handle, _ in sends:
+            handle.wait()
+        stats.end = time.monotonic()
+        return total

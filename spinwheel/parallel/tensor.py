@@ -1,0 +1,203 @@
+"""Megatron-style tensor parallelism (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language
+Models Using Model Parallelism").
+
+The two conjugate operators of the paper (§3, Fig. 3):
+
+* ``f`` = :func:`copy_to_tp` — identity forward, all-reduce backward (enters a tensor-parallel region);
+* ``g`` = :func:`reduce_from_tp` — all-reduce forward, identity backward (leaves it).
+
+A column-parallel linear holds a slice of the output features (``f`` then a local matmul; its output stays
+sharded); a row-parallel linear holds a slice of the input features (local matmul then ``g``; the bias is added
+once, after the reduction). Attention is split by heads — q, k and v column-parallel (query and key/value heads
+alike, so grouped-query attention keeps its grouping), ``o_proj`` row-parallel — and the MLP column-then-row, so a
+block needs one all-reduce forward and one backward per sub-layer. The embedding is vocab-parallel (each rank holds
+V/tp rows, out-of-range tokens give zeros, ``g`` sums), the head is column-parallel over the vocabulary and
+:func:`vocab_parallel_cross_entropy` computes the loss from the sharded logits without gathering them.
+
+:func:`apply_tensor_parallel` swaps these layers into a :class:`~spinwheel.models.transformer.Transformer` from the
+outside and keeps parameter names, so checkpoints map one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spinwheel.parallel.comm import Comm, ReduceOp
+from spinwheel.parallel.mesh import Axis
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis, comm):
+        ctx.axis, ctx.comm = axis, comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad, ctx.axis)
+        return grad, None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis, comm):
+        x = x.contiguous().clone()
+        comm.all_reduce(x, axis)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def copy_to_tp(x: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
+    return _CopyToTP.apply(x, axis, comm) if axis.size > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, axis, comm) if axis.size > 1 else x
+
+
+def _shard(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    return t.detach().chunk(axis.size, dim=dim)[axis.rank].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., out/tp] = f(x) @ W[out/tp, in]ᵀ + b[out/tp]; the output stays sharded on its last dim."""
+
+    shard_dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, linear: nn.Linear, axis: Axis, comm: Comm) -> None:
+        super().__init__()
+        self.axis, self.comm = axis, comm
+        self.weight = nn.Parameter(_shard(linear.weight, 0, axis))
+        self.bias = nn.Parameter(_shard(linear.bias, 0, axis)) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.axis, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = g(x[..., in/tp] @ W[out, in/tp]ᵀ) + b; the input is sharded on its last dim, the output replicated."""
+
+    shard_dims = {"weight": 1}
+
+    def __init__(self, linear: nn.Linear, axis: Axis, comm: Comm) -> None:
+        super().__init__()
+        self.axis, self.comm = axis, comm
+        self.weight = nn.Parameter(_shard(linear.weight, 1, axis))
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.axis, self.comm)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r·V/tp, (r+1)·V/tp) of the embedding; tokens outside give zeros and ``g`` sums the ranks."""
+
+    shard_dims = {"weight": 0}
+
+    def __init__(self, embedding: nn.Embedding, axis: Axis, comm: Comm) -> None:
+        super().__init__()
+        self.axis, self.comm = axis, comm
+        self.weight = nn.Parameter(_shard(embedding.weight, 0, axis))
+        self.vocab_start = axis.rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.axis, self.comm)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, axis, comm):
+        # logits (N, V/tp) this rank's vocabulary slice; targets (N,) global token ids.
+        logits = logits.float()
+        row_max = logits.max(dim=-1).values
+        comm.all_reduce(row_max, axis, op=ReduceOp.MAX)
+        shifted = logits - row_max.unsqueeze(-1)
+        local = targets - vocab_start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~inside, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([target_logit, sum_exp])  # one all-reduce for both sums
+        comm.all_reduce(both, axis)
+        target_logit, sum_exp = both[0], both[1]
+        loss = sum_exp.log() - target_logit  # (N,)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, inside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, inside = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local] -= inside.to(g.dtype)
+        return g * grad.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis,
+                                 comm: Comm) -> torch.Tensor:
+    """Per-token cross-entropy (fp32) from vocab-sharded logits (..., V/tp) and targets (...) -> (...).
+
+    Rank r holds vocabulary slice r; the max, the partition function and the target logit are each reduced over
+    the tensor-parallel axis, so the full (..., V) logits never exist on any rank.
+    """
+    shape = targets.shape
+    if axis.size == 1:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction="none").view(shape)
+    vocab_start = axis.rank * logits.shape[-1]
+    loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), vocab_start,
+                                           axis, comm)
+    return loss.view(shape)
+
+
+_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str, int]:
+    """Swap a Transformer's (or pipeline stage's) layers for tensor-parallel ones, in place.
+
+    Returns the sharded parameters' names with the dim they are split on (for checkpoint consolidation).
+    Blocks are found under ``model.layers`` (a ModuleList, or a ModuleDict keyed by the original layer index).
+    """
+    shard_dims: dict[str, int] = {}
+    if axis.size == 1:
+        return shard_dims
+    layers = model.layers
+    items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    for idx, block in items:
+        for path, cls in [(p, ColumnParallelLinear) for p in _COLUMN] + [(p, RowParallelLinear) for p in _ROW]:
+            parent_name, attr = path.split(".")
+            parent = getattr(block, parent_name)
+            new = cls(getattr(parent, attr), axis, comm)
+            setattr(parent, attr, new)
+            for pname, dim in cls.shard_dims.items():
+                if getattr(new, pname, None) is not None:
+                    shard_dims[f"layers.{idx}.{path}.{pname}"] = dim
+    tied = (getattr(model, "embed_tokens", None) is not None and getattr(model, "lm_head", None) is not None
+            and model.lm_head.weight is model.embed_tokens.weight)
+    if getattr(model, "embed_tokens", None) is not None:
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, axis, comm)
+        shard_dims["embed_tokens.weight"] = 0
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head = ColumnParallelLinear(model.lm_head, axis, comm)
+        if tied:  # the embedding's rows and the head's output features are the same vocabulary slice
+            model.lm_head.weight = model.embed_tokens.weight
+        shard_dims["lm_head.weight"] = 0
+    return shard_dims
