@@ -70,3 +70,13 @@ def test_sft_then_generate_end_to_end(tmp_path, capsys):
 def test_parser_defaults_build_valid_configs():
     ns = build_parser().parse_args(["demo"])
     assert ns.out_dir == "runs/demo" and ns.resume is False
+
+
+def test_classic_command_writes_its_outputs(tmp_path, capsys):
+    out = tmp_path / "cl"
+    assert main(["classic", "--algo", "ppo", "--env", "CartPole-v1", "--steps", "1024", "--num-envs", "2",
+                 "--out-dir", str(out), "--eval-episodes", "2"]) == 0
+    assert "evaluation: return" in capsys.readouterr().out
+    assert {"metrics.jsonl", "learning_curve.png", "policy.pt"} <= {p.name for p in out.iterdir()}
+    with pytest.raises(SystemExit):  # argparse rejects an unknown algorithm
+        main(["classic", "--algo", "sac"])
