@@ -90,13 +90,20 @@ def _sft_parser(sub: argparse._SubParsersAction, name: str, help: str, defaults:
     p = sub.add_parser(name, help=help, description=help)
     add_arguments(p, SFTConfig)
     add_arguments(p, ArithmeticConfig, prefix="task-")
+    if name == "sft":  # under torchrun: spinwheel sft --dp/--tp/--pp/--zero/--fsdp/...
+        from spinwheel.parallel import ParallelConfig
+
+        add_arguments(p, ParallelConfig)
     p.set_defaults(**{f.name: getattr(defaults, f.name) for f in dataclasses.fields(SFTConfig)
                       if f.metadata.get("cli") is not False})
 
 
 def _sft_from_args(ns: argparse.Namespace) -> SFTConfig:
+    from spinwheel.parallel import ParallelConfig
+
     config = from_args(SFTConfig, ns)
     config.task = from_args(ArithmeticConfig, ns, prefix="task-")
+    config.parallel = from_args(ParallelConfig, ns)  # defaults (one process) where the command has no such options
     return config
 
 
@@ -111,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     from spinwheel.engine import EngineConfig
     from spinwheel.server.serve import ServeConfig
 
+    from spinwheel.rl.classic import ClassicConfig
+
+    p = sub.add_parser("classic", help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
+                       description="VPG, TRPO or PPO on a gymnasium environment (torchrun for data parallel)")
+    add_arguments(p, ClassicConfig)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                        description="OpenAI-compatible HTTP server on the paged-attention engine")
     add_arguments(p, ServeConfig)
@@ -132,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"held-out exact match: {result['eval_after']['exact_match']:.1%}")
         elif ns.command == "generate":
             run_generate(from_args(GenerateConfig, ns))
+        elif ns.command == "classic":
+            from spinwheel.rl.classic import ClassicConfig, train
+
+            result = train(from_args(ClassicConfig, ns))
+            if "eval_return_mean" in result:
+                print(f"evaluation: return {result['eval_return_mean']:.1f} ± {result.get('eval_return_std', 0):.1f}")
         elif ns.command == "serve":
             from spinwheel.engine import EngineConfig
             from spinwheel.server.serve import ServeConfig, serve

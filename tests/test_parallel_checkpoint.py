@@ -35,7 +35,7 @@ def resume_and_consolidate(rank: int, world_size: int, root: str, refs: dict) ->
         second.load(f"{root}/{name}/sharded")
         losses += [second.step(*b) for b in data[5:]]
         second.save_hf(f"{root}/{name}/hf")
-        ref_losses, ref_params = refs[tied]
+        ref_losses, ref_params, _ = refs[tied]
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         param_err = 0.0
         if rank == 0:

@@ -1,6 +1,10 @@
 """Every parallel layout trains exactly like one process: per-step losses and final parameters equal (fp32, relative
 1e-5) to single-process training of the same model, data and global batch over 10 steps.
 
+Layouts marked ``clip`` train as the SFT trainer does: a warmup + cosine learning rate set with ``trainer.set_lr``,
+AdamW's decoupled weight decay on weight matrices only (``decays``) and global gradient-norm clipping with a max norm
+small enough to clip every step; the global norms must equal ``torch.nn.utils.clip_grad_norm_``'s too.
+
 Layouts are grouped into two spawned gloo worlds (2 and 4 CPU ranks) so the suite stays short; each rank trains every
 layout of its world in turn and reports the largest relative errors, which the parent asserts.
 """
@@ -14,11 +18,14 @@ import torch.nn.functional as F
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
+from spinwheel.train.optim import ADAMW_BETAS, build_adamw, decays, lr_at
 
 STEPS = 10
 VOCAB, BATCH, SEQ = 64, 8, 12
 LR = 1e-3
 RTOL = 1e-5
+MAX_NORM = 0.5  # the gradient norm of these batches is ~1.2: every step clips
+WEIGHT_DECAY = 0.1
 
 
 def model_config(tied: bool):
@@ -44,20 +51,37 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return out
 
 
-def reference(tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training: the oracle every layout is compared against."""
+def clip_optimizer_factory(params):
+    """The SFT recipe's AdamW with its decay left to the trainer (``weight_decay`` + ``decays``)."""
+    return torch.optim.AdamW(params, lr=LR, betas=ADAMW_BETAS, weight_decay=0.0)
+
+
+def scheduled_lr(step: int) -> float:
+    return lr_at(step, LR, warmup_steps=3, total_steps=STEPS, min_lr_ratio=0.1)
+
+
+def reference(tied: bool, clip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """Single-process training: the oracle every layout is compared against. With ``clip``: the SFT recipe
+    (scheduled lr, weight decay on matrices only, gradient clipping at MAX_NORM). Returns losses, final parameters
+    and the gradient norms before clipping."""
     model = make_model(tied)
-    opt = optimizer_factory(list(model.parameters()))
-    losses = []
-    for ids, labels, mask in batches():
+    opt = build_adamw(model, LR, WEIGHT_DECAY) if clip else optimizer_factory(list(model.parameters()))
+    losses, norms = [], []
+    for step, (ids, labels, mask) in enumerate(batches()):
+        if clip:
+            for group in opt.param_groups:
+                group["lr"] = scheduled_lr(step)
         logits = model(ids)
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
         loss = (ce * mask.flatten()).sum() / mask.sum()
         loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary")}
+    params = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary")}
+    return losses, params, norms
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,14 +92,25 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[str, dict]], ref
     results = {}
     for name, kwargs in layouts:
         kwargs = dict(kwargs)
-        tied = kwargs.pop("tied", False)
-        trainer = ParallelTrainer(make_model(tied), optimizer_factory, ParallelConfig(**kwargs))
-        losses = [trainer.step(*b) for b in batches()]
+        tied, clip = kwargs.pop("tied", False), kwargs.pop("clip", False)
+        if clip:
+            trainer = ParallelTrainer(make_model(tied), clip_optimizer_factory, ParallelConfig(**kwargs),
+                                      max_grad_norm=MAX_NORM, weight_decay=WEIGHT_DECAY, decays=decays)
+        else:
+            trainer = ParallelTrainer(make_model(tied), optimizer_factory, ParallelConfig(**kwargs))
+        losses, norms = [], []
+        for step, b in enumerate(batches()):
+            if clip:
+                trainer.set_lr(scheduled_lr(step))
+            losses.append(trainer.step(*b))
+            norms.append(trainer.grad_norm)
         full = trainer.full_state_dict()
-        ref_losses, ref_params = refs[tied]
+        ref_losses, ref_params, ref_norms = refs[tied, clip]
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         missing = sorted(set(ref_params) - set(full))
         param_err = max(rel_err(full[k], v) for k, v in ref_params.items() if k in full)
+        if clip:
+            loss_err = max([loss_err] + [abs(a - b) / b for a, b in zip(norms, ref_norms)])
         results[name] = (loss_err, param_err, missing)
     return results
 
@@ -102,6 +137,13 @@ LAYOUTS_2 = [
     ("tp2-remat", dict(tp=2, remat=True)),
     ("pp2-gpipe-m4-remat", dict(pp=2, schedule="gpipe", microbatches=4, remat=True)),
     ("pp2-1f1b-m4-remat", dict(pp=2, schedule="1f1b", microbatches=4, remat=True)),
+    ("ddp-clip", dict(clip=True)),
+    ("zero1-clip", dict(zero=1, bucket_mb=0.02, clip=True)),
+    ("zero2-clip", dict(zero=2, bucket_mb=0.02, clip=True)),
+    ("zero3-clip", dict(zero=3, clip=True)),
+    ("fsdp-tied-clip", dict(fsdp=True, tied=True, clip=True)),
+    ("tp2-clip", dict(tp=2, clip=True)),
+    ("pp2-1f1b-m2-tied-clip", dict(pp=2, microbatches=2, tied=True, clip=True)),
 ]
 
 LAYOUTS_4 = [
@@ -121,12 +163,18 @@ LAYOUTS_4 = [
     ("dp2xtp2-remat", dict(dp=2, tp=2, remat=True)),
     ("tp2xpp2-remat", dict(tp=2, pp=2, microbatches=2, remat=True)),
     ("dp2xpp2-remat", dict(dp=2, pp=2, microbatches=2, remat=True)),
+    ("hsdp-2x2-clip", dict(hsdp=2, clip=True)),
+    ("dp2xtp2-zero1-clip", dict(dp=2, tp=2, zero=1, bucket_mb=0.02, clip=True)),
+    ("dp2xpp2-zero1-tied-clip", dict(dp=2, pp=2, zero=1, microbatches=2, tied=True, clip=True)),
+    ("tp2xpp2-clip", dict(tp=2, pp=2, microbatches=2, clip=True)),
 ]
 
 
 @pytest.fixture(scope="module")
 def refs():
-    return {False: reference(False), True: reference(True)}
+    out = {(tied, clip): reference(tied, clip) for tied in (False, True) for clip in (False, True)}
+    assert all(n > MAX_NORM for tied in (False, True) for n in out[tied, True][2])  # clipping is active
+    return out
 
 
 def _check(results: list[dict], layouts) -> None:
@@ -147,6 +195,7 @@ def test_layouts_match_single_process(world_size, layouts, refs):
 
 
 def test_world_size_one_is_the_same_code_path(refs):
-    results = run_layouts(0, 1, [("ddp", dict()), ("zero2", dict(zero=2)), ("fsdp-remat", dict(fsdp=True, remat=True)),
-                                 ("accum", dict(microbatches=4))], refs)
-    _check([results], [("ddp", None), ("zero2", None), ("fsdp-remat", None), ("accum", None)])
+    layouts = [("ddp", dict()), ("zero2", dict(zero=2)), ("fsdp-remat", dict(fsdp=True, remat=True)),
+               ("accum", dict(microbatches=4)), ("zero1-clip", dict(zero=1, clip=True)),
+               ("fsdp-tied-clip", dict(fsdp=True, tied=True, clip=True))]
+    _check([run_layouts(0, 1, layouts, refs)], layouts)

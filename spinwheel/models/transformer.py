@@ -17,6 +17,7 @@ Shapes: B batch, T tokens, H query heads, G key/value heads, D head dim, C hidde
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +201,18 @@ def build_attention_mask(attention_mask: torch.Tensor | None, seq_ids: torch.Ten
     return AttentionMask(mask)
 
 
+def run_blocks(blocks: Iterable[nn.Module], rotary: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor,
+               attn_metadata: object) -> torch.Tensor:
+    """The decoder stack: hidden states x (B, T, C) at ``positions`` (B, T) through ``blocks`` -> (B, T, C).
+
+    :meth:`Transformer.forward` runs every block; a pipeline stage runs its own slice of them.
+    """
+    cos, sin = rotary(positions, x.dtype)  # (B, T, D)
+    for block in blocks:
+        x = block(x, cos, sin, attn_metadata)
+    return x
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. Parameter names match HF's ``*ForCausalLM`` with the leading ``model.`` removed."""
 
@@ -257,9 +270,7 @@ class Transformer(nn.Module):
         if attn_metadata is None:
             attn_metadata = build_attention_mask(attention_mask, seq_ids, t, input_ids.device)
         x = self.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = self.rotary(positions, x.dtype)  # (B, T, D)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn_metadata)
+        x = run_blocks(self.layers, self.rotary, x, positions, attn_metadata)
         x = self.norm(x)
         if return_hidden:
             return x

@@ -7,7 +7,8 @@
 * :mod:`~spinwheel.parallel.tensor` — Megatron tensor parallelism; :mod:`~spinwheel.parallel.pipeline` — GPipe / 1F1B;
   :mod:`~spinwheel.parallel.remat` — activation re-materialisation;
 * :mod:`~spinwheel.parallel.parallelize` — applies them in order; :mod:`~spinwheel.parallel.train` — the training
-  step the trainers call; :mod:`~spinwheel.parallel.checkpoint` — sharded save/resume and HF consolidation;
+  step the trainers call; :mod:`~spinwheel.parallel.optim` — global gradient-norm clipping and name-selected weight
+  decay across shards; :mod:`~spinwheel.parallel.checkpoint` — sharded save/resume and HF consolidation;
   :mod:`~spinwheel.parallel.launch` — torchrun start-up and local spawning.
 """
 

@@ -41,6 +41,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return rank, world_size
 
 
+def launched_world_size() -> int:
+    """The number of processes of this job: the initialised world's, else torchrun's ``WORLD_SIZE``, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

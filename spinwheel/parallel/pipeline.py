@@ -27,7 +27,7 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
-from spinwheel.models.transformer import AttentionMask
+from spinwheel.models.transformer import AttentionMask, run_blocks
 from spinwheel.parallel.comm import Comm, Handle
 from spinwheel.parallel.mesh import Axis
 
@@ -82,10 +82,7 @@ class PipelineStage(nn.Module):
         b, t = x.shape[:2]
         if positions is None:
             positions = torch.arange(t, device=x.device).expand(b, t)
-        cos, sin = self.rotary(positions, x.dtype)  # (B, T, D)
-        meta = AttentionMask(None)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin, meta)
+        x = run_blocks(self.layers.values(), self.rotary, x, positions, AttentionMask(None))
         if self.is_last:
             x = self.lm_head(self.norm(x))  # (B, T, V)
         return x

@@ -9,6 +9,12 @@ single-process training of the same batch gives, whatever the layout. ``labels``
 (position t predicts ``labels[:, t]``; shift before calling). Each rank takes its data-parallel slice of the rows,
 then ``microbatches`` slices of that: pipeline micro-batches when pp > 1, gradient accumulation (``no_sync``)
 otherwise. The returned loss is the global one, on every rank.
+
+Around the optimizer step (see :mod:`spinwheel.parallel.optim`): ``max_grad_norm`` clips by the norm of the whole
+gradient across every shard (``trainer.grad_norm`` holds the norm before clipping; ``math.inf`` measures without
+clipping); ``weight_decay`` applies AdamW's decoupled decay to the parameters ``decays(name, ndim)`` selects — build
+the optimizer with ``weight_decay=0`` then, since flat shards mix matrices and norm gains. :meth:`set_lr` sets the
+learning rate of whatever optimizer the layout built (ZeRO's wraps the inner one), for warmup/cosine schedules.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import nn
 from spinwheel.config import option
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
+from spinwheel.parallel.optim import DecayRule, apply_weight_decay, clip_grad_norm_
 from spinwheel.parallel.parallelize import ParallelModel, parallelize
 from spinwheel.parallel.pipeline import sync_tied_weights
 from spinwheel.parallel.tensor import vocab_parallel_cross_entropy
@@ -76,7 +83,8 @@ class ParallelConfig:
         dp = self.dp if self.dp != -1 else world // (self.tp * self.pp)
         if dp < 1 or dp * self.tp * self.pp != world:
             raise ParallelError(f"dp={self.dp} × tp={self.tp} × pp={self.pp} does not match the world of {world} "
-                                "processes; change the degrees or the number of processes")
+                                "processes; change the degrees or the number of processes (torchrun "
+                                "--nproc-per-node N)")
         shard = self.hsdp if self.hsdp else dp
         if dp % shard:
             raise ParallelError(f"--hsdp {self.hsdp} must divide the data-parallel degree {dp}")
@@ -99,13 +107,20 @@ class ParallelTrainer:
     """Owns the parallelized model and its optimizer; :meth:`step` runs one optimizer step on a global batch."""
 
     def __init__(self, model: nn.Module, optimizer_factory: OptimizerFactory, config: ParallelConfig,
-                 dims: ParallelDims | None = None) -> None:
+                 dims: ParallelDims | None = None, *, max_grad_norm: float | None = None, weight_decay: float = 0.0,
+                 decays: DecayRule | None = None) -> None:
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 (math.inf: measure only; None: off), got {max_grad_norm}")
         self.config = config
         self.dims = dims or config.make_dims()
         self.pm = parallelize(model, self.dims, zero=config.zero, fsdp=config.fsdp, remat=config.remat,
                               bucket_mb=config.bucket_mb, schedule=config.schedule)
         self.optimizer = self.pm.module.make_optimizer(optimizer_factory)
-        self.report = Comm(config.timeout_s)  # loss reporting, kept out of the strategies' volume counters
+        self.max_grad_norm = max_grad_norm
+        self.weight_decay = weight_decay
+        self.decays: DecayRule = decays or (lambda name, ndim: True)
+        self.grad_norm: float | None = None  # global gradient norm of the last step (with max_grad_norm set)
+        self.report = Comm(config.timeout_s)  # loss and norm reporting, kept out of the strategies' volume counters
         self.num_steps = 0
 
     @property
@@ -115,10 +130,23 @@ class ParallelTrainer:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> float:
         """One optimizer step on the global batch (B, T) — the same tensors on every rank. Returns the global loss."""
         loss = self.forward_backward(input_ids, labels, loss_mask)
+        if self.max_grad_norm is not None:
+            self.grad_norm = self.clip_grad_norm_(self.max_grad_norm)
+        if self.weight_decay:
+            apply_weight_decay(self.pm, self.optimizer.param_groups[0]["lr"], self.weight_decay, self.decays)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.num_steps += 1
         return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the reduced gradients to global norm ``max_norm``; returns the norm before clipping (collective)."""
+        return clip_grad_norm_(self.pm, max_norm, self.report)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every parameter group (one rate for all, as the LR schedules give)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> float:
         """Gradients of the global loss, reduced as the layout needs; returns the global loss (no optimizer step)."""
@@ -133,7 +161,7 @@ class ParallelTrainer:
         # Data-parallel wrappers average gradients over dp, so each rank's loss is scaled by dp.
         scale = dp_axis.size / count
         ids_mb, lab_mb, mask_mb = ids.chunk(m), lab.chunk(m), mask.chunk(m)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=input_ids.device)  # NCCL reduces device tensors
         if pm.pipeline is not None:
             def loss_fn(out: torch.Tensor, i: int) -> torch.Tensor:
                 return token_loss_sum(out, lab_mb[i], mask_mb[i], pm) * scale
@@ -152,8 +180,8 @@ class ParallelTrainer:
                 total = total + loss.detach().float()
         # The global loss: the last stage holds it; each dp rank holds its dp-scaled share.
         if pm.pipeline is not None and dims.pp_axis.rank != dims.pp_axis.size - 1:
-            total = torch.zeros((), dtype=torch.float32)
-        total = total.reshape(1) / dp_axis.size
+            total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+        total = total.to(input_ids.device).reshape(1) / dp_axis.size
         self.report.all_reduce(total, dp_axis)
         self.report.all_reduce(total, dims.pp_axis)
         return float(total.item())

@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, model: Transformer, tokenizer: Tokenizer | None,
-                    trainer_state: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint directory atomically; returns its path."""
+                    trainer_state: dict[str, Any] | None = None,
+                    extra: Callable[[Path], None] | None = None) -> Path:
+    """Write a checkpoint directory atomically; returns its path. ``extra(tmp)`` may add files to the temporary
+    directory before it replaces the target (the parallel trainer's sharded state)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -48,6 +51,8 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, tokenizer: Toke
             tokenizer.save_pretrained(tmp)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE_FILE)
+        if extra is not None:
+            extra(tmp)
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"

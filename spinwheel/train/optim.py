@@ -9,15 +9,25 @@ import torch
 from torch import nn
 
 
-def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                eps: float = 1e-8) -> torch.optim.AdamW:
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_EPS = 1e-8
+
+
+def decays(name: str, ndim: int) -> bool:
+    """Whether parameter ``name`` with ``ndim`` dims gets weight decay: weight matrices yes; norm gains, biases and
+    embeddings no."""
+    return ndim >= 2 and "embed" not in name
+
+
+def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = ADAMW_BETAS,
+                eps: float = ADAMW_EPS) -> torch.optim.AdamW:
     decay, no_decay = [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:  # tied weights appear once
             continue
         seen.add(id(p))
-        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+        (decay if decays(name, p.dim()) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 

@@ -4,6 +4,10 @@ The loop reads top to bottom: build model, tokenizer and data; for each step, ta
 function of the seed and the step number, so resuming needs no sampler state), run :func:`completion_loss`, clip,
 step AdamW at the scheduled learning rate; log, evaluate held-out exact match with greedy decoding, and save
 atomic checkpoints that resume exactly.
+
+The loop (:func:`run_sft`) is the same in one process and under ``torchrun``; what steps the model is a *learner*:
+:class:`LocalLearner` here (the reference), or :class:`~spinwheel.train.parallel_sft.ParallelLearner` on the
+parallel trainer when torchrun started more than one process (see :mod:`spinwheel.train.parallel_sft`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,8 @@ from spinwheel.models.generate import generate
 from spinwheel.models.hf import load_model, resolve_dtype
 from spinwheel.models.tokenizer import Tokenizer, load_tokenizer
 from spinwheel.models.transformer import Transformer
+from spinwheel.parallel.launch import launched_world_size
+from spinwheel.parallel.train import ParallelConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, reward
 from spinwheel.tasks.data import read_sft_jsonl
 from spinwheel.train.checkpoint import load_trainer_state, rng_state, save_checkpoint, set_rng_state
@@ -64,6 +70,7 @@ class SFTConfig:
                                                "resume later with the same command")
     progress: bool = option(True, help="show a progress bar")
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig, metadata={"cli": False})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_examples", "max_new_tokens", "max_seq_len"):
@@ -239,55 +246,130 @@ def _build_model(config: SFTConfig, tokenizer: Tokenizer, checkpoint: Path) -> T
                       vocab_size=tokenizer.vocab_size)
 
 
+class Learner(Protocol):
+    """What the SFT loop steps: owns the trainable state, saves and restores it, and keeps the model that
+    evaluation reads up to date."""
+
+    is_main: bool  # logs, evaluates and writes the checkpoint's HF files
+    distributed: bool
+    eval_model: Transformer | None  # what evaluation generates with (None on ranks that do not evaluate)
+
+    def load(self, state: dict[str, Any], ckpt_dir: Path) -> None: ...
+    def train_step(self, batch: dict[str, torch.Tensor], lr: float) -> tuple[float, float]: ...  # loss, grad norm
+    def sync_eval_model(self) -> None: ...
+    def save(self, ckpt_dir: Path, tokenizer: Tokenizer, state: dict[str, Any]) -> None: ...
+
+
+class LocalLearner:
+    """Single-process training: the model and its AdamW, stepped in this process — the reference every parallel
+    layout is compared against."""
+
+    is_main = True
+    distributed = False
+
+    def __init__(self, config: SFTConfig, model: Transformer) -> None:
+        self.config, self.model = config, model
+        self.optimizer = build_adamw(model, config.lr, config.weight_decay)
+        self.eval_model = model  # evaluation reads the training weights themselves
+
+    def load(self, state: dict[str, Any], ckpt_dir: Path) -> None:
+        if "optimizer" not in state:
+            raise ValueError(f"{ckpt_dir} was written by a parallel run: resume it under torchrun with the same "
+                             "layout, or start over with --no-resume")
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+
+    def train_step(self, batch: dict[str, torch.Tensor], lr: float) -> tuple[float, float]:
+        set_lr(self.optimizer, lr)
+        logits = self.model(batch["input_ids"])
+        loss, _ = completion_loss(logits, batch["input_ids"], batch["loss_mask"])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        return float(loss.detach()), grad_norm
+
+    def sync_eval_model(self) -> None:
+        pass
+
+    def save(self, ckpt_dir: Path, tokenizer: Tokenizer, state: dict[str, Any]) -> None:
+        save_checkpoint(ckpt_dir, self.model, tokenizer,
+                        {**state, "optimizer": self.optimizer.state_dict(), "rng": rng_state()})
+
+
 def train_sft(config: SFTConfig, on_eval: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run SFT as configured; returns the final metrics (``eval_before``, ``eval_after``, ``losses``, ...)."""
+    """Run SFT as configured; returns the final metrics (``eval_before``, ``eval_after``, ``losses``, ...).
+
+    Under ``torchrun`` with more than one process this trains on the parallel trainer (``config.parallel``);
+    otherwise in this process, where only a layout of degree 1 fits.
+    """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    if launched_world_size() > 1:
+        from spinwheel.train.parallel_sft import train_sft_parallel
+
+        return train_sft_parallel(config, on_eval)
+    config.parallel.make_dims()  # raises a readable error for e.g. --tp 2 without torchrun
+    return run_sft(config, LocalLearner, on_eval)
+
+
+def run_sft(config: SFTConfig, make_learner: Callable[[SFTConfig, Transformer], Learner],
+            on_eval: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The SFT loop over the learner ``make_learner(config, model)`` builds (see :func:`train_sft`)."""
     out_dir = Path(config.out_dir)
     ckpt_dir = out_dir / "checkpoint"
     state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
     tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
     model = _build_model(config, tokenizer, ckpt_dir if state is not None else Path("/nonexistent"))
+    num_params = sum(p.numel() for p in set(model.parameters()))
     data = build_data(config, tokenizer)
-    optimizer = build_adamw(model, config.lr, config.weight_decay)
+    learner = make_learner(config, model)
     start_step = 0
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
+        learner.load(state, ckpt_dir)
         start_step = int(state["step"])
-    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None)
+    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None) if learner.is_main \
+        else None
+
+    def log(record: dict[str, Any]) -> None:
+        if logger is not None:
+            logger.log(record)
+
     if state is None:
-        logger.log({"step": 0, "num_params": sum(p.numel() for p in set(model.parameters())),
-                    "num_train": len(data.train), "num_eval": len(data.eval), "num_dropped": data.num_dropped})
+        log({"step": 0, "num_params": num_params, "num_train": len(data.train), "num_eval": len(data.eval),
+             "num_dropped": data.num_dropped})
 
     result: dict[str, Any] = {"start_step": start_step}
 
-    if config.eval_engine:
+    generate_fn: Generate | None = None
+    if learner.eval_model is not None and config.eval_engine:
         longest = max((len(e.prompt_ids) for e in data.eval), default=1)
-        generate_fn = engine_generate(model, tokenizer, longest + config.max_new_tokens + 1)
-    else:
-        generate_fn = plain_generate(model, tokenizer)
+        generate_fn = engine_generate(learner.eval_model, tokenizer, longest + config.max_new_tokens + 1)
+    elif learner.eval_model is not None:
+        generate_fn = plain_generate(learner.eval_model, tokenizer)
 
-    def run_eval(step: int) -> dict[str, Any]:
+    def run_eval(step: int) -> dict[str, Any] | None:
+        learner.sync_eval_model()  # collective under torchrun: every rank calls it, rank 0 evaluates
+        if generate_fn is None:
+            return None
         ev = evaluate(generate_fn, data, config.eval_examples, config.max_new_tokens)
-        logger.log({"step": step, "eval_exact_match": ev["exact_match"]})
+        log({"step": step, "eval_exact_match": ev["exact_match"]})
         if on_eval is not None:
             on_eval(step, ev)
         return ev
 
-    if start_step == 0:
-        result["eval_before"] = run_eval(0)
+    if start_step == 0 and (ev := run_eval(0)) is not None:
+        result["eval_before"] = ev
 
     def save(step: int) -> None:
-        save_checkpoint(ckpt_dir, model, tokenizer, {
-            "step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(),
-            "config": dataclasses.asdict(config)})
+        learner.save(ckpt_dir, tokenizer, {"step": step, "config": dataclasses.asdict(config)})
 
     end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
     model.train()
     losses: list[float] = []
-    bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step, disable=not config.progress,
-               desc="sft", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step,
+               disable=not (config.progress and learner.is_main), desc="sft", dynamic_ncols=True, mininterval=1.0)
     t0, tokens = time.perf_counter(), 0.0
     step = start_step
     try:
@@ -296,29 +378,24 @@ def train_sft(config: SFTConfig, on_eval: Callable[[int, dict[str, Any]], None] 
                                                                   config.seed)], tokenizer.pad_id or 0)
             batch = {k: v.to(config.device) for k, v in batch.items()}
             lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
-            set_lr(optimizer, lr)
-            logits = model(batch["input_ids"])
-            loss, stats = completion_loss(logits, batch["input_ids"], batch["loss_mask"])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            clip = config.grad_clip if config.grad_clip > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-            optimizer.step()
-            tokens += stats["num_tokens"]
-            losses.append(float(loss.detach()))
+            loss, grad_norm = learner.train_step(batch, lr)
+            tokens += float(batch["loss_mask"].sum())
+            losses.append(loss)
             record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
                       "completion_tokens_per_s": tokens / (time.perf_counter() - t0)}
-            logger.log(record)
+            log(record)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{lr:.2e}")
             done = step + 1
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
-                ev = run_eval(done)
-                bar.write(f"step {done}: held-out exact match {ev['exact_match']:.3f}")
+                if (ev := run_eval(done)) is not None:
+                    bar.write(f"step {done}: held-out exact match {ev['exact_match']:.3f}")
             if config.save_every and done % config.save_every == 0 and done < end_step:
                 save(done)
         step = end_step
     except KeyboardInterrupt:
         bar.close()
+        if learner.distributed:  # peers may be mid-collective: keep the last periodic checkpoint
+            raise
         done_steps = start_step + len(losses)
         save(done_steps)
         print(f"interrupted: checkpoint saved at step {done_steps} in {ckpt_dir}; rerun the same command to resume")
@@ -326,9 +403,10 @@ def train_sft(config: SFTConfig, on_eval: Callable[[int, dict[str, Any]], None] 
     bar.close()
     save(end_step)
     result.update(losses=losses, end_step=end_step, checkpoint=str(ckpt_dir))
-    if end_step == config.steps:
-        result["eval_after"] = run_eval(end_step)
-    plot_curves(logger.read(), out_dir / "curves.png",
-                [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
-                title=f"SFT {config.model}")
+    if end_step == config.steps and (ev := run_eval(end_step)) is not None:
+        result["eval_after"] = ev
+    if logger is not None:
+        plot_curves(logger.read(), out_dir / "curves.png",
+                    [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
+                    title=f"SFT {config.model}")
     return result
