@@ -1,0 +1,329 @@
+"""KV-cache accounting for PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", SOSP 2023). Pure Python: it keeps books, it never touches a tensor.
+
+The cache is a pool of fixed-size blocks. Each sequence owns a *block table* (logical block i -> physical block id)
+and every physical block carries a reference count equal to the number of block tables that hold it:
+
+* ``fork`` shares all of a parent's blocks with a child (ref += 1);
+* ``append_slots`` grows a table to hold new tokens and copies a shared block before it is written
+  (copy-on-write), returning the (src, dst) copies the model runner must perform;
+* ``free`` drops a table (ref -= 1); blocks at zero return to the pool;
+* ``swap_out`` / ``swap_in`` move a whole group's tables between the device pool and a CPU pool, all or nothing,
+  returning the (src, dst) block moves.
+
+Prefix caching: a full block is keyed by a hash chained from the previous block's key and its own tokens; lookups
+confirm the stored tokens, so a hash collision can never hand out wrong K/V. A cached block whose reference count
+drops to zero stays in an LRU list, still counted as free, until an allocation evicts it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"  # fits now
+    LATER = "later"  # fits once other sequences free blocks
+    NEVER = "never"  # larger than the whole pool
+
+
+class OutOfBlocks(RuntimeError):
+    """An allocation was attempted without checking ``can_*`` first."""
+
+
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    """Key of a full block: the previous block's key and this block's tokens."""
+    return hash((prev, tokens))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # kept for cached blocks, to confirm a hash hit
+
+
+class BlockPool:
+    """Blocks of one device, with free list, reference counts and (optionally) a prefix-cache index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, least recently used first
+        self._by_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def allocate(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        elif self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._unhash(self.blocks[block_id])
+        else:
+            raise OutOfBlocks(f"all {self.num_blocks} blocks are in use")
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._evictable.pop(block_id)  # only hashed blocks are revived from the free side
+        block.ref_count += 1
+
+    def decref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    def lookup(self, key: int, tokens: tuple[int, ...]) -> int | None:
+        block_id = self._by_hash.get(key)
+        if block_id is None or self.blocks[block_id].token_ids != tokens:
+            return None
+        return block_id
+
+    def register(self, block_id: int, key: int, tokens: tuple[int, ...]) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None or key in self._by_hash:
+            return  # already cached, or the same content lives in another block
+        block.hash, block.token_ids = key, tokens
+        self._by_hash[key] = block_id
+
+    def _unhash(self, block: Block) -> None:
+        if block.hash is not None and self._by_hash.get(block.hash) == block.block_id:
+            del self._by_hash[block.hash]
+        block.hash, block.token_ids = None, ()
+
+    def reset_cache(self) -> None:
+        """Forget every cached prefix (the weights changed): evictable blocks become plain free blocks."""
+        for block in self.blocks:
+            self._unhash(block)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+
+    def check(self, refs: dict[int, int]) -> None:
+        """Assert the accounting invariants given the reference counts implied by the block tables."""
+        free = set(self._free) | set(self._evictable)
+        assert len(free) == len(self._free) + len(self._evictable), "a block is both free and evictable"
+        used = [b.block_id for b in self.blocks if b.ref_count > 0]
+        assert len(free) + len(used) == self.num_blocks, "free + used != total"
+        for block in self.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_count {block.ref_count} != {refs.get(block.block_id, 0)} tables")
+            assert (block.ref_count == 0) == (block.block_id in free)
+            if block.block_id in self._evictable:
+                assert block.hash is not None
+        for key, block_id in self._by_hash.items():
+            assert self.blocks[block_id].hash == key
+
+
+class BlockManager:
+    """Block tables of all sequences over a device pool and a CPU swap pool.
+
+    Sequences are named by integer ids; token lists are passed in where content matters (prefix caching).
+    """
+
+    def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.gpu = BlockPool(num_blocks)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[int, list[int]] = {}  # seq_id -> device block ids
+        self.cpu_block_tables: dict[int, list[int]] = {}  # seq_id -> CPU block ids (swapped out)
+        self._hashes: dict[int, list[int]] = {}  # seq_id -> chained keys of its leading full blocks
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # ---- sizes ----
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.gpu.num_blocks - self.gpu.num_free
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / max(1, self.num_prefix_queried_tokens)
+
+    # ---- allocation of new (or recomputed) sequences ----
+    def _match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached device blocks holding the leading full blocks of ``token_ids``. The block holding the last token
+        is never matched: its logits must be computed."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, matched, key = self.block_size, [], None
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = chain_hash(key, tokens)
+            block_id = self.gpu.lookup(key, tokens)
+            if block_id is None:
+                break
+            matched.append(block_id)
+        return matched
+
+    def can_allocate(self, seqs: list[list[int]]) -> AllocStatus:
+        """Whether sequences with these token lists (one group) can get block tables now."""
+        total = sum(self.num_blocks_for(len(t)) for t in seqs)
+        if total > self.gpu.num_blocks:
+            return AllocStatus.NEVER
+        needed = 0
+        for tokens in seqs:
+            matched = self._match_prefix(tokens)
+            # A matched block that nobody holds sits on the free side; reviving it consumes a free block.
+            live = sum(1 for b in matched if self.gpu.blocks[b].ref_count > 0)
+            needed += self.num_blocks_for(len(tokens)) - live
+        return AllocStatus.OK if needed <= self.gpu.num_free else AllocStatus.LATER
+
+    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+        """Give ``seq_id`` a block table for all of ``token_ids``; returns how many leading tokens already have
+        K/V through the prefix cache."""
+        assert seq_id not in self.block_tables, f"sequence {seq_id} already has blocks"
+        matched = self._match_prefix(token_ids)
+        needed = self.num_blocks_for(len(token_ids))
+        fresh = needed - len(matched)
+        revived = sum(1 for b in matched if self.gpu.blocks[b].ref_count == 0)
+        if fresh + revived > self.gpu.num_free:
+            raise OutOfBlocks(f"sequence {seq_id} needs {fresh + revived} blocks, {self.gpu.num_free} are free")
+        for b in matched:
+            self.gpu.incref(b)
+        table = matched + [self.gpu.allocate() for _ in range(fresh)]
+        self.block_tables[seq_id] = table
+        self._hashes[seq_id] = [self.gpu.blocks[b].hash for b in matched]  # type: ignore[misc]
+        if self.enable_prefix_caching:
+            self.num_prefix_queried_tokens += len(token_ids)
+            self.num_prefix_hit_tokens += len(matched) * self.block_size
+        return len(matched) * self.block_size
+
+    def commit(self, seq_id: int, token_ids: list[int], num_tokens: int) -> None:
+        """Record that the first ``num_tokens`` tokens of ``seq_id`` have (or, within this step, will have) K/V:
+        their full blocks become reusable through the prefix cache."""
+        if not self.enable_prefix_caching or seq_id not in self.block_tables:
+            return
+        hashes, table, bs = self._hashes[seq_id], self.block_tables[seq_id], self.block_size
+        for i in range(len(hashes), min(num_tokens // bs, len(table))):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = chain_hash(hashes[-1] if hashes else None, tokens)
+            self.gpu.register(table[i], key, tokens)
+            hashes.append(key)
+
+    # ---- growth, copy-on-write, fork ----
+    def _blocks_to_append(self, seq_id: int, num_computed: int, num_tokens: int) -> int:
+        table = self.block_tables[seq_id]
+        new = max(0, self.num_blocks_for(num_tokens) - len(table))
+        first, last = num_computed // self.block_size, min(len(table), self.num_blocks_for(num_tokens))
+        cow = sum(1 for i in range(first, last) if self.gpu.blocks[table[i]].ref_count > 1)
+        return new + cow
+
+    def can_append_slots(self, seqs: list[tuple[int, int, int]]) -> bool:
+        """``seqs``: (seq_id, num_computed_tokens, num_tokens) of every sequence about to be extended."""
+        return sum(self._blocks_to_append(*s) for s in seqs) <= self.gpu.num_free
+
+    def append_slots(self, seq_id: int, num_computed: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Make room for tokens ``num_computed .. num_tokens-1``; returns copy-on-write (src, dst) block copies."""
+        table = self.block_tables[seq_id]
+        copies = []
+        last = min(len(table), self.num_blocks_for(num_tokens))
+        for i in range(num_computed // self.block_size, last):
+            src = table[i]
+            if self.gpu.blocks[src].ref_count > 1:  # shared: write into a private copy
+                dst = self.gpu.allocate()
+                self.gpu.decref(src)
+                table[i] = dst
+                copies.append((src, dst))
+                del self._hashes[seq_id][i:]
+        while len(table) < self.num_blocks_for(num_tokens):
+            table.append(self.gpu.allocate())
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """``child_id`` shares every block of ``parent_id``."""
+        table = self.block_tables[parent_id]
+        for b in table:
+            self.gpu.incref(b)
+        self.block_tables[child_id] = list(table)
+        self._hashes[child_id] = list(self._hashes[parent_id])
+
+    def free(self, seq_id: int) -> None:
+        """Drop ``seq_id``'s table (device or CPU); blocks nobody else holds return to their pool. Tail blocks are
+        released first so the LRU evicts a prefix's end before its start."""
+        for table, pool in ((self.block_tables.pop(seq_id, None), self.gpu),
+                            (self.cpu_block_tables.pop(seq_id, None), self.cpu)):
+            for b in reversed(table or []):
+                pool.decref(b)
+        self._hashes.pop(seq_id, None)
+
+    # ---- swapping (whole groups) ----
+    def _distinct(self, tables: dict[int, list[int]], seq_ids: list[int]) -> set[int]:
+        return {b for s in seq_ids for b in tables[s]}
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return len(self._distinct(self.block_tables, seq_ids)) <= self.cpu.num_free
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the group's device blocks to the CPU pool; returns (device, cpu) copies. Blocks shared inside the
+        group stay shared; blocks shared with other groups (prefix cache) get a private CPU copy."""
+        return self._move(seq_ids, self.block_tables, self.cpu_block_tables, self.gpu, self.cpu)
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        # two spare blocks per sequence: one for its next token, one for a copy-on-write of a shared last block
+        return len(self._distinct(self.cpu_block_tables, seq_ids)) + 2 * len(seq_ids) <= self.gpu.num_free
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        return self._move(seq_ids, self.cpu_block_tables, self.block_tables, self.cpu, self.gpu)
+
+    def _move(self, seq_ids: list[int], src_tables: dict[int, list[int]], dst_tables: dict[int, list[int]],
+              src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+        distinct = self._distinct(src_tables, seq_ids)
+        if len(distinct) > dst.num_free:
+            raise OutOfBlocks(f"moving {len(distinct)} blocks, {dst.num_free} free at the destination")
+        mapping: dict[int, int] = {}
+        for s in seq_ids:
+            new_table = []
+            for b in src_tables.pop(s):
+                if b in mapping:
+                    dst.incref(mapping[b])
+                else:
+                    mapping[b] = dst.allocate()
+                new_table.append(mapping[b])
+                src.decref(b)
+            dst_tables[s] = new_table
+        return list(mapping.items())
+
+    # ---- prefix cache ----
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (call when the weights change)."""
+        self.gpu.reset_cache()
+        for s in self._hashes:
+            self._hashes[s] = []
+
+    # ---- inspection ----
+    def sharing(self) -> tuple[int, int]:
+        """(blocks held by all tables counted per table, distinct device blocks in use)."""
+        logical = sum(len(t) for t in self.block_tables.values())
+        return logical, self.num_used_blocks
+
+    def check_invariants(self) -> None:
+        """Assert exact accounting on both pools (used by the property tests)."""
+        for tables, pool in ((self.block_tables, self.gpu), (self.cpu_block_tables, self.cpu)):
+            refs: dict[int, int] = {}
+            for table in tables.values():
+                for b in table:
+                    refs[b] = refs.get(b, 0) + 1
+            pool.check(refs)

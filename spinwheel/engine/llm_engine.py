@@ -1,0 +1,366 @@
+"""The engine loop a server drives: ``add_request`` / ``abort`` / ``step`` -> incremental :class:`RequestOutput`.
+
+``step`` is schedule -> move blocks -> run the model -> sample -> check stops -> free finished sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from spinwheel.engine.beam_search import beam_step
+from spinwheel.engine.block_manager import BlockManager
+from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.model_runner import ModelRunner, StepLogits
+from spinwheel.engine.outputs import CompletionOutput, RequestOutput
+from spinwheel.engine.sampler import SampleRow, Sampler, top_logprobs
+from spinwheel.engine.sampling_params import SamplingParams
+from spinwheel.engine.scheduler import Scheduler, SchedulerOutput
+from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float  # fraction of device blocks held by sequences
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_prompt_tokens: int  # computed prompt tokens (prefix-cache hits excluded)
+    num_generated_tokens: int
+    generation_tokens_per_s: float  # over the last few seconds of steps
+
+
+def _denormals_flushed() -> bool:
+    # torch has no getter: a computation whose result is denormal yields 0 exactly when flushing is on
+    return (torch.tensor([1e-30]) * 1e-10).item() == 0.0
+
+
+@contextlib.contextmanager
+def flush_denormal(enabled: bool) -> Iterator[None]:
+    """Flush denormals to zero inside the block, restoring the caller's setting afterwards."""
+    if not enabled or _denormals_flushed():
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@dataclass
+class StepInfo:
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_preempted: int
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        self.runner = ModelRunner(model, config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.num_cpu_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        eos = model.config.eos_token_id
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if tokenizer is not None and tokenizer.eos_id is not None:
+            self.eos_ids = {tokenizer.eos_id}
+        self._seq_ids = itertools.count()
+        self._groups: dict[str, SequenceGroup] = {}
+        self._aborted: list[SequenceGroup] = []
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
+        self.last_step: StepInfo | None = None
+
+    @classmethod
+    def from_pretrained(cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None) -> "LLMEngine":
+        from spinwheel.models import load_model, load_tokenizer
+
+        config = config or EngineConfig()
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(load_model(path_or_preset, dtype=config.dtype, device=device), load_tokenizer(path_or_preset),
+                   config)
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (text or token ids). One that can never fit finishes with an error on the next step."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids or give the engine a tokenizer")
+            text, tokens = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, tokens = None, [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        seq = Sequence(next(self._seq_ids), tokens)
+        group = SequenceGroup(request_id, [seq], params, prompt=text)
+        if arrival_time is not None:
+            group.arrival_time = arrival_time
+        self._groups[request_id] = group
+        if bad:
+            group.error = f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            seq.status = SequenceStatus.FINISHED_ERROR
+            self._aborted.append(group)
+            return
+        self.scheduler.add(group)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; its final output (finish_reason "abort") comes with the next step."""
+        group = self.scheduler.abort(request_id)
+        if group is None:
+            return False
+        group.finish_time = time.monotonic()
+        self._aborted.append(group)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ---- the step ----
+    def step(self, stream: bool = True) -> list[RequestOutput]:
+        """Run one iteration. Returns outputs of the requests that progressed (all of them with ``stream``) or
+        finished."""
+        with flush_denormal(self.config.flush_denormal):
+            return self._step(stream)
+
+    def _step(self, stream: bool) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+        self.last_step = StepInfo(decode, out.num_tokens - decode, out.num_preempted)
+        touched: dict[str, SequenceGroup] = {}
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            self.runner.move_blocks(out)
+        if out.scheduled:
+            want_prompt = {s.seq.seq_id for s in out.scheduled if s.group.params.prompt_logprobs is not None
+                           and not s.group.forked and s.seq.num_computed_tokens < s.seq.num_prompt_tokens}
+            logits = self.runner.execute(out.scheduled, self.block_manager.block_tables, want_prompt)
+            touched = self._postprocess(out, logits)
+        finished = self.scheduler.free_finished()
+        for group in out.failed + self._aborted + finished:
+            touched[group.request_id] = group
+        self._aborted = []
+        results = []
+        now = time.monotonic()
+        for group in touched.values():
+            if group.is_finished:
+                group.finish_time = group.finish_time or now
+                self._groups.pop(group.request_id, None)
+            if stream or group.is_finished:
+                results.append(self._output(group))
+        return results
+
+    def _postprocess(self, out: SchedulerOutput, step: StepLogits) -> dict[str, SequenceGroup]:
+        touched: dict[str, SequenceGroup] = {}
+        rows: list[SampleRow] = []
+        row_index: list[int] = []
+        beam_groups: dict[str, SequenceGroup] = {}
+        for s in out.scheduled:
+            seq, group = s.seq, s.group
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if seq.seq_id in step.prompt_rows:
+                self._record_prompt_logprobs(group, seq, step, s.num_new_tokens)
+            seq.num_computed_tokens += s.num_new_tokens
+            if not s.completes:
+                continue
+            touched[group.request_id] = group
+            logits_row = step.sample_rows[seq.seq_id]
+            if group.params.use_beam_search:
+                seq.pending_logprobs = torch.log_softmax(step.logits[logits_row], dim=-1)
+                beam_groups[group.request_id] = group
+                continue
+            targets = [seq]
+            if not group.forked:
+                group.forked = True
+                for i in range(1, group.params.n):
+                    child = seq.fork(next(self._seq_ids), i)
+                    self.block_manager.fork(seq.seq_id, child.seq_id)
+                    group.seqs.append(child)
+                    targets.append(child)
+            stop_ids = sorted(self.eos_ids | set(group.params.stop_token_ids))
+            for t in targets:
+                rows.append(SampleRow(t, group.params, stop_ids))
+                row_index.append(logits_row)
+        if rows:
+            idx = torch.tensor(row_index, device=step.logits.device)
+            sampled = self.sampler(step.logits[idx], rows)
+            for row, token, lp, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+                row.seq.append_token(token, lp, top)
+                self._check_stop(row.seq, row.params)
+            self.num_generated_tokens += len(rows)
+        for group in beam_groups.values():
+            self._beam_step(group)
+        now = time.monotonic()
+        self._recent.append((now, len(rows) + sum(len(g.seqs) for g in beam_groups.values())))
+        for group in touched.values():
+            group.first_token_time = group.first_token_time or now
+        return touched
+
+    def _record_prompt_logprobs(self, group: SequenceGroup, seq: Sequence, step: StepLogits, n: int) -> None:
+        start_row, end_row = step.prompt_rows[seq.seq_id]
+        lps = torch.log_softmax(step.logits[start_row:end_row], dim=-1)  # row i predicts token start + i + 1
+        first = seq.num_computed_tokens
+        k = group.params.prompt_logprobs or 0
+        assert group.prompt_logprobs is not None
+        for i in range(n):
+            pos = first + i + 1
+            if pos >= seq.num_prompt_tokens or pos < len(group.prompt_logprobs):
+                continue
+            while len(group.prompt_logprobs) < pos:  # positions served by the prefix cache have no logits
+                group.prompt_logprobs.append(None)
+            group.prompt_logprobs.append(top_logprobs(lps[i], seq.token_ids[pos], k))
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        token = seq.token_ids[-1]
+        if token in params.stop_token_ids:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif not params.ignore_eos and token in self.eos_ids and seq.num_output_tokens >= params.min_tokens:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif params.stop and self.tokenizer is not None and seq.num_output_tokens >= params.min_tokens:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            hits = [(text.find(s), s) for s in params.stop if s and s in text]
+            if hits:
+                pos, stop = min(hits)
+                seq.text = text[:pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if not seq.status.is_finished and (seq.num_output_tokens >= params.max_tokens
+                                           or seq.num_tokens >= self.max_model_len):
+            seq.status = SequenceStatus.FINISHED_LENGTH
+
+    def _beam_step(self, group: SequenceGroup) -> None:
+        beams = group.seqs_with(SequenceStatus.RUNNING)
+        if any(b.pending_logprobs is None for b in beams):
+            return  # after a recompute, wait until every beam has its next-token distribution
+        logprobs = torch.stack([b.pending_logprobs for b in beams])  # type: ignore[misc]
+        for b in beams:
+            b.pending_logprobs = None
+        params = group.params
+        choices, group.finished_beams, group.beam_improvable, done = beam_step(
+            logprobs, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams],
+            beams[0].num_output_tokens, params, self.eos_ids, group.finished_beams, group.beam_improvable)
+        self.num_generated_tokens += len(beams)
+        group.forked = True
+        if done:
+            choices = []
+        # fork before appending: a beam chosen m times keeps one continuation and lends its blocks to m - 1 forks
+        by_parent: dict[int, list] = {}
+        for c in choices:
+            by_parent.setdefault(c.parent, []).append(c)
+        survivors: list[Sequence] = []
+        for i, beam in enumerate(beams):
+            picks = by_parent.get(i, [])
+            if not picks:
+                beam.status = SequenceStatus.FINISHED_ABORTED
+                self.block_manager.free(beam.seq_id)
+                continue
+            forks = []
+            for _ in picks[1:]:
+                child = beam.fork(next(self._seq_ids), 0)
+                self.block_manager.fork(beam.seq_id, child.seq_id)
+                forks.append(child)
+            for seq, c in zip([beam] + forks, picks):
+                seq.token_ids.append(c.token_id)
+                seq.cumulative_logprob = c.cumulative_logprob
+                survivors.append(seq)
+        group.seqs = survivors  # dropped beams are already freed
+        if done:
+            group.seqs = []
+
+    # ---- outputs and stats ----
+    def _decode(self, ids: list[int], params: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.params
+        outs: list[CompletionOutput] = []
+        if params.use_beam_search:
+            if group.is_finished and group.error is None and group.finished_beams:
+                for i, f in enumerate(group.finished_beams):
+                    outs.append(CompletionOutput(i, self._decode(f.token_ids, params), list(f.token_ids),
+                                                 f.cumulative_logprob, None, f.finish_reason, score=f.score))
+            else:
+                reason = None if not group.is_finished else ("error" if group.error else "abort")
+                for i, s in enumerate(group.seqs or []):
+                    outs.append(CompletionOutput(i, self._decode(s.output_token_ids, params), s.output_token_ids,
+                                                 s.cumulative_logprob, None, reason))
+        else:
+            for s in sorted(group.seqs, key=lambda s: s.index):
+                text = s.text if isinstance(s.stop_reason, str) else self._decode(s.output_token_ids, params)
+                outs.append(CompletionOutput(s.index, text, s.output_token_ids, s.cumulative_logprob,
+                                             s.logprobs if params.logprobs is not None else None,
+                                             s.status.finish_reason, s.stop_reason))
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        if group.finish_time is not None:
+            metrics["finish_time"] = group.finish_time
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.is_finished,
+                             group.prompt_logprobs, group.error, metrics)
+
+    def stats(self) -> EngineStats:
+        bm, sch = self.block_manager, self.scheduler
+        rate = 0.0
+        if len(self._recent) >= 2:
+            span = self._recent[-1][0] - self._recent[0][0]
+            rate = sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
+        return EngineStats(len(sch.running), len(sch.waiting), len(sch.swapped),
+                           bm.num_used_blocks / bm.gpu.num_blocks, bm.num_free_blocks, bm.gpu.num_blocks,
+                           sch.num_preemptions, bm.prefix_cache_hit_rate, self.num_prompt_tokens,
+                           self.num_generated_tokens, rate)
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(slots in device blocks held by sequences, slots holding a computed token), counting shared blocks once."""
+        bs = self.config.block_size
+        filled: dict[int, int] = {}
+        for group in self.scheduler.running:
+            for s in group.seqs_with(SequenceStatus.RUNNING):
+                for i, b in enumerate(self.block_manager.block_tables.get(s.seq_id, [])):
+                    f = min(bs, max(0, s.num_computed_tokens - i * bs))
+                    if f > filled.get(b, 0):
+                        filled[b] = f
+        return self.block_manager.num_used_blocks * bs, sum(filled.values())
+
+    # ---- weights ----
+    def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
+        """Load new weights in place (from a model or a state dict) and drop the prefix cache, whose K/V were
+        computed with the old ones. Call between generations: running requests would mix old and new K/V."""
+        if isinstance(model_or_state_dict, Transformer):
+            if model_or_state_dict is not self.model:
+                state = {k: v for k, v in model_or_state_dict.state_dict().items() if not k.startswith("rotary.")}
+                self.model.load_state_dict(state, strict=False)
+        else:
+            with torch.no_grad():
+                missing, unexpected = self.model.load_state_dict(model_or_state_dict, strict=False)
+            if unexpected:
+                raise KeyError(f"update_weights: unexpected tensor '{unexpected[0]}'")
+        self.block_manager.reset_prefix_cache()
+        self.runner.install()

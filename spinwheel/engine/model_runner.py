@@ -1,0 +1,195 @@
+"""Turns a scheduled step into tensors and runs the model once over it (Orca's selective batching).
+
+All scheduled tokens — decodes and prefill chunks mixed — are flattened into one ``(1, N)`` batch: embeddings,
+projections, MLPs and norms run on the flat batch; only attention splits per sequence, through block tables and
+context lengths (:mod:`spinwheel.engine.attention`). The runner also owns the KV-cache tensors (device pool and
+CPU swap pool) and performs the block copies the block manager asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from spinwheel.engine.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
+from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.scheduler import ScheduledSequence, SchedulerOutput
+from spinwheel.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+DECODE_BUCKET_BYTES = 4 << 20  # gathered K+V per decode bucket per layer (see ModelRunner._decode_buckets)
+
+
+@dataclass
+class StepLogits:
+    """Logits of the rows the engine asked for (one per sequence that completes, plus prompt rows)."""
+
+    logits: torch.Tensor  # (R, V) float32
+    sample_rows: dict[int, int]  # seq_id -> row of the logits for its next token
+    prompt_rows: dict[int, tuple[int, int]]  # seq_id -> [start, end) rows predicting this chunk's tokens 1..n
+
+
+def kv_block_bytes(model: Transformer, block_size: int) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem  # type: ignore
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = bs = config.block_size
+        cfg = model.config
+        block_bytes = kv_block_bytes(model, bs)
+        # never more blocks than max_num_seqs sequences of max_model_len tokens could hold
+        cap = config.max_num_seqs * -(-max_model_len // bs)
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        else:
+            self.num_blocks = max(1, min(cap, int(config.kv_cache_memory_mb * 2**20 // block_bytes)))
+        if config.num_cpu_blocks is not None:
+            self.num_cpu_blocks = config.num_cpu_blocks
+        elif config.preemption_mode != "swap":
+            self.num_cpu_blocks = 0  # no swap pool unless swap preemption is configured
+        else:
+            self.num_cpu_blocks = min(self.num_blocks, int(config.swap_space_mb * 2**20 // block_bytes))
+        shape = (bs, cfg.num_key_value_heads, cfg.head_dim)
+        device, dtype = model.device, model.dtype
+        layers = range(cfg.num_hidden_layers)
+        self.k_caches = [torch.zeros(self.num_blocks, *shape, device=device, dtype=dtype) for _ in layers]
+        self.v_caches = [torch.zeros(self.num_blocks, *shape, device=device, dtype=dtype) for _ in layers]
+        pin = device.type == "cuda"
+        self.cpu_k_caches = [torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
+        self.cpu_v_caches = [torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
+        self.kv_cache_bytes = self.num_blocks * block_bytes
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB on %s), %d CPU swap blocks (%.1f MiB)",
+                    self.num_blocks, bs, self.kv_cache_bytes / 2**20, device, self.num_cpu_blocks,
+                    self.num_cpu_blocks * block_bytes / 2**20)
+        self.install()
+
+    # ---- the attention backend is applied from outside the model ----
+    def install(self) -> None:
+        """Put :class:`PagedAttention` in every layer (idempotent; the original kernel stays as fallback)."""
+        for i, layer in enumerate(self.model.layers):
+            core = layer.self_attn.core
+            fallback = core.fallback if isinstance(core, PagedAttention) else core
+            layer.self_attn.core = PagedAttention(fallback, self.k_caches[i], self.v_caches[i])
+
+    def uninstall(self) -> None:
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn.core, PagedAttention):
+                layer.self_attn.core = layer.self_attn.core.fallback
+
+    # ---- block moves ----
+    @torch.inference_mode()
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap-out first (its device blocks may be reused by this very step), then swap-in, then copy-on-write."""
+        dev = self.model.device
+        if out.blocks_to_swap_out:
+            src, dst = _indices(out.blocks_to_swap_out)
+            for caches, cpu in ((self.k_caches, self.cpu_k_caches), (self.v_caches, self.cpu_v_caches)):
+                for c, h in zip(caches, cpu):
+                    h[dst] = c[src.to(dev)].cpu()
+        if out.blocks_to_swap_in:
+            src, dst = _indices(out.blocks_to_swap_in)
+            for caches, cpu in ((self.k_caches, self.cpu_k_caches), (self.v_caches, self.cpu_v_caches)):
+                for c, h in zip(caches, cpu):
+                    c[dst.to(dev)] = h[src].to(dev, non_blocking=True)
+        if out.blocks_to_copy:
+            src, dst = (t.to(dev) for t in _indices(out.blocks_to_copy))
+            for c in self.k_caches + self.v_caches:
+                c[dst] = c[src]
+
+    def _decode_buckets(self, ctx: list[int]) -> list[tuple[int, int]]:
+        """Split decodes (sorted by context length) into [start, end) buckets whose gathered K/V stay around
+        ``DECODE_BUCKET_BYTES`` per layer: small enough to stay in cache between the gather and the attention
+        (on CPU this beats one big padded batch several-fold), large enough to amortise a kernel call."""
+        cfg = self.model.config
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * elem  # type: ignore[operator]
+        limit = max(1, DECODE_BUCKET_BYTES // per_token)
+        if self.model.device.type != "cpu":
+            limit = 1 << 62  # GPUs prefer one launch
+        spans, start = [], 0
+        for i in range(1, len(ctx) + 1):
+            if i == len(ctx) or (i + 1 - start) * ctx[i] > limit:
+                spans.append((start, i))
+                start = i
+        return spans
+
+    # ---- one forward ----
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence], block_tables: dict[int, list[int]],
+                prompt_logprob_seqs: set[int]) -> StepLogits:
+        """Run the model over the step; returns logits only for the rows that are sampled or scored."""
+        bs, dev = self.block_size, self.model.device
+        # decodes sorted by context length, so buckets of neighbours pad little
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            pos = s.seq.num_computed_tokens
+            input_ids.append(s.seq.token_ids[pos])
+            positions.append(pos)
+            table = block_tables[s.seq.seq_id]
+            slots.append(table[pos // bs] * bs + pos % bs)
+        spans: list[PrefillSpan] = []
+        for s in prefills:
+            start, n = s.seq.num_computed_tokens, s.num_new_tokens
+            table = block_tables[s.seq.seq_id]
+            spans.append(PrefillSpan(len(input_ids), n, start + n,
+                                     torch.tensor(table[:-(-(start + n) // bs)], dtype=torch.long, device=dev)))
+            input_ids += s.seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+        buckets: list[DecodeBucket] = []
+        for start, end in self._decode_buckets([s.seq.num_computed_tokens + 1 for s in decodes]):
+            part = decodes[start:end]
+            ctx = [s.seq.num_computed_tokens + 1 for s in part]
+            max_blocks = -(-max(ctx) // bs)
+            rows = [block_tables[s.seq.seq_id][:max_blocks] for s in part]
+            tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long, device=dev)
+            lens = torch.tensor(ctx, device=dev)
+            missing = torch.arange(max_blocks * bs, device=dev)[None, :] >= lens[:, None]
+            bias = torch.zeros(missing.shape, dtype=self.model.dtype, device=dev).masked_fill_(missing, float("-inf"))
+            buckets.append(DecodeBucket(start, tables, bias[:, None, None, :]))
+        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), buckets, spans)
+
+        # rows whose logits are needed: the last token of each sequence that completes; whole prompt chunks for
+        # prompt logprobs
+        picks: list[int] = []
+        sample_rows: dict[int, int] = {}
+        prompt_rows: dict[int, tuple[int, int]] = {}
+        row = 0
+        for s in decodes + prefills:
+            n = s.num_new_tokens
+            if s.seq.seq_id in prompt_logprob_seqs:
+                prompt_rows[s.seq.seq_id] = (len(picks), len(picks) + n)
+                picks += range(row, row + n)
+                if s.completes:
+                    sample_rows[s.seq.seq_id] = len(picks) - 1
+            elif s.completes:
+                sample_rows[s.seq.seq_id] = len(picks)
+                picks.append(row + n - 1)
+            row += n
+
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        hidden = self.model(ids, positions=pos, attn_metadata=meta, return_hidden=True)[0]  # (N, C)
+        if picks:
+            logits = self.model.lm_head(hidden[torch.tensor(picks, device=dev)]).float()  # (R, V)
+        else:
+            logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        return StepLogits(logits, sample_rows, prompt_rows)
+
+
+def _indices(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    src, dst = zip(*pairs)
+    return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)

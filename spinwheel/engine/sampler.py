@@ -1,0 +1,146 @@
+"""Token sampling over a batch of logits rows, each with its own :class:`SamplingParams`.
+
+Order of operations (as HF's logits processors and vLLM apply them): penalties (repetition on prompt + output,
+presence/frequency on the output), ``min_tokens`` masking of stop tokens, temperature, then top-k, top-p and
+min-p truncation, then a draw. Draws use the exponential race (``argmax p_i / E_i`` with ``E_i ~ Exp(1)``), which
+samples exactly from ``p``; a request with a ``seed`` draws its noise from its own generator, so its tokens do not
+depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spinwheel.engine.sampling_params import SamplingParams
+from spinwheel.engine.sequence import Sequence
+
+
+@dataclass
+class SampleRow:
+    seq: Sequence
+    params: SamplingParams
+    stop_ids: list[int]  # ids masked while fewer than min_tokens are generated (EOS + stop_token_ids)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw log-prob of each chosen token
+    top_logprobs: list[dict[int, float] | None]  # when the row's params ask for logprobs
+
+
+def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The generator of sample ``index`` of a request seeded with ``seed``."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) % (2**63))
+
+
+def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, float]:
+    """{token: logprob} for the top ``k`` tokens of one row plus the chosen one."""
+    out = {token_id: float(logprobs[token_id])}
+    if k > 0:
+        values, ids = logprobs.topk(k)
+        for i, lp in zip(ids.tolist(), values.tolist()):
+            out.setdefault(i, lp)
+    return out
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """logits (R, V) -> one token per row."""
+        logits = logits.float()
+        r = logits.shape[0]
+        want_logprobs = [row.params.logprobs is not None for row in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        raw = logits
+        logits = self._apply_penalties(logits, rows)
+        greedy = torch.tensor([row.params.temperature == 0 for row in rows], device=logits.device)
+        if bool(greedy.all()):
+            tokens = logits.argmax(dim=-1)
+        else:
+            temps = torch.tensor([row.params.temperature or 1.0 for row in rows], device=logits.device)
+            scaled = logits / temps[:, None]
+            scaled = self._truncate(scaled, rows)
+            probs = torch.softmax(scaled, dim=-1)
+            noise = torch.empty_like(probs)
+            seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
+            if len(seeded) < r:
+                noise.exponential_(generator=self._generator(logits.device))
+            for i in seeded:
+                seq = rows[i].seq
+                if seq.generator is None:
+                    seq.generator = seeded_generator(rows[i].params.seed, seq.index, logits.device)  # type: ignore
+                noise[i].exponential_(generator=seq.generator)
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+        token_list = tokens.tolist()
+        if raw_logprobs is None:  # the cumulative log-prob is always reported: one logsumexp over the batch
+            picked = raw.gather(1, tokens[:, None])[:, 0]
+            return SamplerOutput(token_list, (picked - torch.logsumexp(raw, dim=-1)).tolist(), [None] * r)
+        chosen_lp = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        tops: list[dict[int, float] | None] = []
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            tops.append(top_logprobs(raw_logprobs[i], token_list[i], k) if k is not None else None)
+        return SamplerOutput(token_list, chosen_lp, tops)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        need = [i for i, row in enumerate(rows) if row.params.needs_penalties or
+                (row.params.min_tokens and row.seq.num_output_tokens < row.params.min_tokens)]
+        if not need:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in need:
+            p, seq = rows[i].params, rows[i].seq
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens and rows[i].stop_ids:
+                row[torch.tensor(rows[i].stop_ids, dtype=torch.long, device=logits.device)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """top-k, top-p and min-p as row-wise masks (one sort for the whole batch when any row needs it)."""
+        top_k = [row.params.top_k for row in rows]
+        top_p = [row.params.top_p for row in rows]
+        min_p = [row.params.min_p for row in rows]
+        vocab = logits.shape[1]
+        if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+            ranks = torch.arange(vocab, device=logits.device)[None, :]
+            drop = ranks >= ks[:, None]
+            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            ps = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+            drop |= before > ps[:, None]
+            drop[:, 0] = False  # always keep the most likely token
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        if any(m > 0 for m in min_p):
+            probs = torch.softmax(logits, dim=-1)
+            ms = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)
+            logits = logits.masked_fill(probs < ms[:, None] * probs.max(dim=-1, keepdim=True).values,
+                                        float("-inf"))
+        return logits

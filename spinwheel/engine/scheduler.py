@@ -1,0 +1,261 @@
+"""Iteration-level FCFS scheduling (Yu et al., "Orca", OSDI 2022) over a paged KV cache.
+
+Every step packs, under a token budget and a sequence cap:
+
+1. the running groups, oldest first: one token per decoding sequence, the next chunk of a prompt still being
+   prefilled. When the cache cannot hold their next tokens, the latest-arrived running group is preempted — by
+   recompute (its blocks are freed and it goes back to the front of the waiting queue) or by swap (its blocks move
+   to the CPU pool) — until the rest fit;
+2. swapped groups, oldest first, brought back when their blocks fit;
+3. only when nothing is swapped out and nothing was preempted this step, waiting groups in arrival order, each
+   prefilled whole or, with chunked prefill, in chunks under the remaining budget.
+
+The scheduler decides; the block manager keeps the accounts; the model runner executes the result.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from spinwheel.engine.block_manager import AllocStatus, BlockManager
+from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    group: SequenceGroup
+    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    completes: bool = False  # after this step every token has K/V, so the next token is sampled
+
+    def __post_init__(self) -> None:
+        self.completes = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), device
+    failed: list[SequenceGroup] = field(default_factory=list)  # finished with an error this step
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.failed
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_chunked_prefills = 0  # steps that computed part of a prompt, not all of it
+        self._rejected: list[SequenceGroup] = []
+
+    # ---- queue management ----
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a request, or reject it at once when it could never fit."""
+        reason = self._never_fits(group)
+        if reason is not None:
+            group.error = reason
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED_ERROR
+            self._rejected.append(group)
+            return
+        self.waiting.append(group)
+
+    def _never_fits(self, group: SequenceGroup) -> str | None:
+        prompt_len, max_tokens = len(group.prompt_token_ids), group.params.max_tokens
+        if prompt_len == 0:
+            return "the prompt is empty"
+        if group.width > self.config.max_num_seqs:
+            return f"n={group.width} exceeds max_num_seqs={self.config.max_num_seqs}"
+        if prompt_len + max_tokens > self.max_model_len:
+            return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds "
+                    f"the model context of {self.max_model_len} tokens")
+        bm = self.block_manager
+        prompt_blocks = bm.num_blocks_for(prompt_len)
+        # Worst case: every sequence of the group writes its own copy of all blocks past the shared prompt.
+        worst = prompt_blocks + group.width * (bm.num_blocks_for(prompt_len + max_tokens) - prompt_blocks + 1)
+        if min(worst, group.width * bm.num_blocks_for(prompt_len + max_tokens)) > bm.gpu.num_blocks:
+            return (f"the request needs up to {worst} KV blocks of {bm.block_size} tokens "
+                    f"(prompt {prompt_len} + max_tokens {max_tokens}, width {group.width}) but the whole KV pool "
+                    f"has {bm.gpu.num_blocks}")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._rejected)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Remove a request wherever it is, freeing its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.seqs:
+                        if not seq.status.is_finished:
+                            seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq.seq_id)
+                    return group
+        return None
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Release finished sequences' blocks; returns (and forgets) the groups that are done."""
+        done = []
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.status.is_finished:
+                    self.block_manager.free(seq.seq_id)
+            if group.is_finished:
+                done.append(group)
+        if done:
+            self.running = [g for g in self.running if not g.is_finished]
+        return done
+
+    # ---- the step ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(failed=self._rejected)
+        self._rejected = []
+        budget = self.config.max_num_batched_tokens
+        num_seqs = 0
+        bm = self.block_manager
+
+        # 1. running groups, oldest first; preempt from the newest end when blocks run out
+        queue = deque(self.running)
+        kept: list[SequenceGroup] = []
+        while queue:
+            group = queue.popleft()
+            seqs = group.seqs_with(SequenceStatus.RUNNING)
+            plan = [(s, self._chunk(s, budget)) for s in seqs]
+            plan = [(s, n) for s, n in plan if n > 0]
+            if not plan or num_seqs + len(plan) > self.config.max_num_seqs:
+                kept.append(group)  # nothing fits in this step's budget; it keeps its blocks
+                continue
+            need = [(s.seq_id, s.num_computed_tokens, s.num_computed_tokens + n) for s, n in plan]
+            while not bm.can_append_slots(need):
+                victim = queue.pop() if queue else group
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                for s, n in plan:
+                    out.blocks_to_copy += bm.append_slots(s.seq_id, s.num_computed_tokens, s.num_computed_tokens + n)
+                    self._commit(s, n)
+                    out.scheduled.append(ScheduledSequence(s, group, n))
+                    budget -= n
+                num_seqs += len(plan)
+                kept.append(group)
+        self.running = kept
+
+        # 2. swapped groups come back first (FCFS) when their blocks fit
+        while self.swapped and out.num_preempted == 0:
+            group = self.swapped[0]
+            seqs = group.seqs_with(SequenceStatus.SWAPPED)
+            ids = [s.seq_id for s in seqs]
+            if num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs) or not bm.can_swap_in(ids):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += bm.swap_in(ids)
+            for s in seqs:
+                s.status = SequenceStatus.RUNNING
+            for s in seqs:
+                n = self._chunk(s, budget)
+                if n > 0:
+                    out.blocks_to_copy += bm.append_slots(s.seq_id, s.num_computed_tokens,
+                                                          s.num_computed_tokens + n)
+                    self._commit(s, n)
+                    out.scheduled.append(ScheduledSequence(s, group, n))
+                    budget -= n
+            num_seqs += len(seqs)
+            self.running.append(group)
+
+        # 3. new (or recompute-preempted) groups, only while nothing waits in the swap pool
+        while self.waiting and not self.swapped and out.num_preempted == 0:
+            group = self.waiting[0]
+            seqs = group.seqs_with(SequenceStatus.WAITING)
+            if num_seqs + len(seqs) > self.config.max_num_seqs:
+                break
+            status = bm.can_allocate([s.token_ids for s in seqs])
+            if status == AllocStatus.NEVER:  # e.g. recompute after growing past the pool: cannot ever run
+                self.waiting.popleft()
+                group.error = (f"the request's {sum(s.num_tokens for s in seqs)} tokens no longer fit in the KV "
+                               f"pool of {bm.gpu.num_blocks} blocks")
+                for s in group.unfinished_seqs():
+                    s.status = SequenceStatus.FINISHED_ERROR
+                    bm.free(s.seq_id)
+                out.failed.append(group)
+                continue
+            if status == AllocStatus.LATER:
+                break
+            # the whole group must start this step (its prompt chunks share the budget)
+            remaining = [s.num_tokens for s in seqs]
+            if not self.config.enable_chunked_prefill and sum(remaining) > budget:
+                break
+            if budget < len(seqs):
+                break
+            self.waiting.popleft()
+            for s in seqs:
+                s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids)
+                s.status = SequenceStatus.RUNNING
+                n = self._chunk(s, budget)
+                if n > 0:
+                    self._commit(s, n)
+                    out.scheduled.append(ScheduledSequence(s, group, n))
+                    budget -= n
+            num_seqs += len(seqs)
+            self.running.append(group)
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _commit(self, seq: Sequence, num_new: int) -> None:
+        if seq.num_computed_tokens + num_new < seq.num_tokens:
+            self.num_chunked_prefills += 1
+        self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Take ``group`` off the device: swap when configured and the CPU pool has room, else recompute."""
+        seqs = group.seqs_with(SequenceStatus.RUNNING)
+        ids = [s.seq_id for s in seqs]
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        if group in self.running:
+            self.running.remove(group)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(ids):
+            out.blocks_to_swap_out += self.block_manager.swap_out(ids)
+            self.num_swap_outs += 1
+            for s in seqs:
+                s.status = SequenceStatus.SWAPPED
+            _insert_by_arrival(self.swapped, group)
+            return
+        for s in seqs:
+            self.block_manager.free(s.seq_id)
+            s.num_computed_tokens = 0
+            s.status = SequenceStatus.WAITING
+        _insert_by_arrival(self.waiting, group)
+
+
+def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+    """Preempted groups keep their first-come-first-served place."""
+    for i, other in enumerate(queue):
+        if other.arrival_time > group.arrival_time:
+            queue.insert(i, group)
+            return
+    queue.append(group)
