@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import sys
 import time
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             from spinwheel.rl.classic import ClassicConfig, train
 
             result = train(from_args(ClassicConfig, ns))
-            if "eval_return_mean" in result:
+            if "eval_return_mean" in result and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 reports
                 print(f"evaluation: return {result['eval_return_mean']:.1f} ± {result.get('eval_return_std', 0):.1f}")
         elif ns.command == "serve":
             from spinwheel.engine import EngineConfig
