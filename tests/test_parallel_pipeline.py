@@ -16,7 +16,7 @@ from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage, bubble_
 
 K = 2
 HIDDEN = 8
-T_FORWARD, T_BACKWARD = 0.06, 0.12  # seconds of simulated compute per micro-batch and stage
+T_FORWARD, T_BACKWARD = 0.1, 0.2  # seconds of simulated compute per micro-batch and stage
 
 
 class _Sleep(torch.autograd.Function):
