@@ -1,8 +1,10 @@
 """Paged attention against the dense oracle (causal SDPA over each whole sequence)."""
 
+import pytest
 import torch
 
 from spinwheel.engine.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, paged_attention
+from spinwheel.engine.cpu_attention import load_decode_kernel, paged_decode_attention
 from spinwheel.models.transformer import SDPAAttention
 
 
@@ -11,7 +13,10 @@ def _dense(q, k, v):
     return SDPAAttention()(q[None], k[None], v[None], None, 0)[0]
 
 
-def test_paged_attention_matches_dense_on_mixed_batch():
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch-buckets", "fused-cpu-kernel"])
+def test_paged_attention_matches_dense_on_mixed_batch(fused):
+    if fused and load_decode_kernel() is None:
+        pytest.skip("no C compiler for the fused CPU kernel")
     torch.manual_seed(0)
     h, g, d, bs, num_blocks = 4, 2, 8, 4, 64
     k_cache, v_cache = torch.zeros(num_blocks, bs, g, d), torch.zeros(num_blocks, bs, g, d)
@@ -36,7 +41,7 @@ def test_paged_attention_matches_dense_on_mixed_batch():
         lens = torch.tensor([s[0] for s in part])
         bias = torch.zeros(len(part), max_blocks * bs).masked_fill(
             torch.arange(max_blocks * bs)[None] >= lens[:, None], float("-inf"))[:, None, None]
-        buckets.append(DecodeBucket(start, tables, bias))
+        buckets.append(DecodeBucket(start, tables, None if fused else bias, lens))
     spans, row = [], len(decodes)
     for total, cached, new, table, *_ in seqs[len(decodes):]:
         spans.append(PrefillSpan(row, new, total, torch.tensor(table)))
@@ -52,3 +57,45 @@ def test_paged_attention_matches_dense_on_mixed_batch():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # the new tokens were written into their slots
     torch.testing.assert_close(k_cache.view(-1, g, d)[slot_mapping], k)
+
+
+@pytest.mark.parametrize("h, g, d, bs", [(8, 4, 64, 16), (6, 6, 16, 4), (12, 2, 32, 8)])
+def test_fused_decode_kernel_matches_dense(h, g, d, bs):
+    """The C kernel alone, over many sequences (several threads' shares), MHA and GQA, long and 1-token contexts."""
+    if load_decode_kernel() is None:
+        pytest.skip("no C compiler for the fused CPU kernel")
+    torch.manual_seed(1)
+    lens = [1, 2, bs, bs + 1, 3 * bs - 1, 37, 200, 5, 64, 129]
+    num_blocks = sum(-(-n // bs) for n in lens) + 7
+    k_cache, v_cache = torch.randn(num_blocks, bs, g, d), torch.randn(num_blocks, bs, g, d)
+    perm = torch.randperm(num_blocks).tolist()
+    max_blocks = max(-(-n // bs) for n in lens)
+    tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    q = torch.randn(len(lens), h, d)
+    out = torch.full_like(q, float("nan"))
+    for threads in (1, 2, 3):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens), out)
+        finally:
+            torch.set_num_threads(prev)
+        for i, (n, t) in enumerate(zip(lens, tables)):
+            keys = k_cache[torch.tensor(t)].reshape(-1, g, d)[:n]  # (n, G, D) in order
+            values = v_cache[torch.tensor(t)].reshape(-1, g, d)[:n]
+            qs = torch.zeros(n, h, d)
+            qs[-1] = q[i]  # the decode query is the sequence's last token
+            expected = _dense(qs, keys, values)[-1]
+            torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_decode_kernel_rejects_out_of_range_tables():
+    if load_decode_kernel() is None:
+        pytest.skip("no C compiler for the fused CPU kernel")
+    k_cache = v_cache = torch.zeros(4, 4, 1, 8)
+    q, out = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="out of range"):
+        paged_decode_attention(q, k_cache, v_cache, torch.tensor([[4]]), torch.tensor([3]), out)
+    with pytest.raises(ValueError, match="out of range"):
+        paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0]]), torch.tensor([5]), out)

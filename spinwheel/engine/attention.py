@@ -5,10 +5,12 @@ The KV cache of one layer is a pair of tensors ``(num_blocks, block_size, G, D)`
 cache at ``slot_mapping`` (``block_id * block_size + offset``) and each sequence then attends to its own context,
 gathered from the cache through its block table:
 
-* decodes (one query token each) are batched in buckets of similar context length (the runner sorts them): a
-  bucket's block tables are padded to its longest context, the gathered keys are masked past each sequence's
-  length, and one ``scaled_dot_product_attention`` call covers the bucket, with the ``H // G`` query heads that
-  share a key/value head laid out as that head's "query length";
+* decodes (one query token each) on the CPU in fp32 run in one call of the fused C kernel of
+  :mod:`spinwheel.engine.cpu_attention`, which reads each sequence's blocks in place (no gather);
+* elsewhere decodes are batched in buckets of similar context length (the runner sorts them): a bucket's block
+  tables are padded to its longest context, the gathered keys are masked past each sequence's length, and one
+  ``scaled_dot_product_attention`` call covers the bucket, with the ``H // G`` query heads that share a key/value
+  head laid out as that head's "query length";
 * prefill chunks run one sequence at a time with a causal mask offset by the tokens already in the cache (chunked
   prefill, prefix-cache hits, recompute); a chunk with no earlier context attends to its own K/V directly.
 
@@ -23,6 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spinwheel.engine.cpu_attention import paged_decode_attention
+
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa (torch 2.5+)
+
 
 @dataclass
 class PrefillSpan:
@@ -36,7 +42,10 @@ class PrefillSpan:
 class DecodeBucket:
     start: int  # first row in the flat batch; the bucket's S decodes are consecutive rows, one token each
     block_tables: torch.Tensor  # (S, max_blocks) int64, padded with block 0
-    bias: torch.Tensor  # (S, 1, 1, max_blocks * block_size) additive mask: 0 where a key exists, -inf past the end
+    # (S, 1, 1, max_blocks * block_size) additive mask: 0 where a key exists, -inf past the end; None when the
+    # fused CPU kernel runs the bucket (it reads context_lens instead)
+    bias: torch.Tensor | None
+    context_lens: torch.Tensor | None = None  # (S,) int64: keys per sequence, this step's token included
 
 
 @dataclass
@@ -74,6 +83,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for b in meta.decodes:
         nd, t = b.block_tables.shape[0], b.block_tables.shape[1] * bs
         rows = slice(b.start, b.start + nd)
+        if b.bias is None:  # fused kernel: reads the blocks in place and writes its rows of `out`
+            assert b.context_lens is not None
+            paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, b.block_tables, b.context_lens, out[rows])
+            continue
         keys = gather_blocks(k_cache, b.block_tables).view(nd, t, g, d).transpose(1, 2)  # (S, G, T, D)
         values = gather_blocks(v_cache, b.block_tables).view(nd, t, g, d).transpose(1, 2)
         qd = q[rows].view(nd, g, rep, d)  # the query heads of one kv head as its "query length"
@@ -91,9 +104,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             qpos = torch.arange(p.num_tokens, device=q.device)[:, None] + offset
             mask, causal = torch.arange(p.context_len, device=q.device)[None, :] <= qpos, False
         kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)  # (G, Tk, D)
-        if rep > 1:
-            kp, vp = kp.repeat_interleave(rep, dim=0), vp.repeat_interleave(rep, dim=0)
-        op = F.scaled_dot_product_attention(qp, kp[None], vp[None], attn_mask=mask, is_causal=causal)
+        if rep > 1 and _SDPA_GQA:  # grouped-query attention inside SDPA: nothing repeated
+            op = F.scaled_dot_product_attention(qp, kp[None], vp[None], attn_mask=mask, is_causal=causal,
+                                                enable_gqa=True)
+        else:
+            if rep > 1:
+                kp, vp = kp.repeat_interleave(rep, dim=0), vp.repeat_interleave(rep, dim=0)
+            op = F.scaled_dot_product_attention(qp, kp[None], vp[None], attn_mask=mask, is_causal=causal)
         out[rows] = op[0].transpose(0, 1)
     return out
 

@@ -209,8 +209,10 @@ class LLMEngine:
                 rows.append(SampleRow(t, group.params, stop_ids))
                 row_index.append(logits_row)
         if rows:
-            idx = torch.tensor(row_index, device=step.logits.device)
-            sampled = self.sampler(step.logits[idx], rows)
+            logits = step.logits
+            if row_index != list(range(logits.shape[0])):  # n > 1 forks share a row; prompt rows are skipped
+                logits = logits[torch.tensor(row_index, device=logits.device)]
+            sampled = self.sampler(logits, rows)
             for row, token, lp, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
                 row.seq.append_token(token, lp, top)
                 self._check_stop(row.seq, row.params)

@@ -15,6 +15,7 @@ import torch
 
 from spinwheel.engine.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.cpu_attention import load_decode_kernel
 from spinwheel.engine.scheduler import ScheduledSequence, SchedulerOutput
 from spinwheel.models.transformer import Transformer
 
@@ -66,6 +67,8 @@ class ModelRunner:
         self.cpu_k_caches = [torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
         self.cpu_v_caches = [torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
         self.kv_cache_bytes = self.num_blocks * block_bytes
+        # decodes go through the fused C kernel (one call per layer, blocks read in place) where it applies
+        self.fused_decode = device.type == "cpu" and dtype == torch.float32 and load_decode_kernel() is not None
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB on %s), %d CPU swap blocks (%.1f MiB)",
                     self.num_blocks, bs, self.kv_cache_bytes / 2**20, device, self.num_cpu_blocks,
                     self.num_cpu_blocks * block_bytes / 2**20)
@@ -150,16 +153,20 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
         buckets: list[DecodeBucket] = []
-        for start, end in self._decode_buckets([s.seq.num_computed_tokens + 1 for s in decodes]):
-            part = decodes[start:end]
-            ctx = [s.seq.num_computed_tokens + 1 for s in part]
+        all_ctx = [s.seq.num_computed_tokens + 1 for s in decodes]
+        spans_d = [(0, len(decodes))] if self.fused_decode and decodes else self._decode_buckets(all_ctx)
+        for start, end in spans_d:
+            part, ctx = decodes[start:end], all_ctx[start:end]
             max_blocks = -(-max(ctx) // bs)
             rows = [block_tables[s.seq.seq_id][:max_blocks] for s in part]
             tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long, device=dev)
-            lens = torch.tensor(ctx, device=dev)
+            lens = torch.tensor(ctx, dtype=torch.long, device=dev)
+            if self.fused_decode:
+                buckets.append(DecodeBucket(start, tables, None, lens))
+                continue
             missing = torch.arange(max_blocks * bs, device=dev)[None, :] >= lens[:, None]
             bias = torch.zeros(missing.shape, dtype=self.model.dtype, device=dev).masked_fill_(missing, float("-inf"))
-            buckets.append(DecodeBucket(start, tables, bias[:, None, None, :]))
+            buckets.append(DecodeBucket(start, tables, bias[:, None, None, :], lens))
         meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), buckets, spans)
 
         # rows whose logits are needed: the last token of each sequence that completes; whole prompt chunks for
@@ -183,7 +190,9 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         hidden = self.model(ids, positions=pos, attn_metadata=meta, return_hidden=True)[0]  # (N, C)
-        if picks:
+        if len(picks) == hidden.shape[0]:  # every row (pure decode steps): no gather; picks are increasing rows
+            logits = self.model.lm_head(hidden).float()  # (N, V)
+        elif picks:
             logits = self.model.lm_head(hidden[torch.tensor(picks, device=dev)]).float()  # (R, V)
         else:
             logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
