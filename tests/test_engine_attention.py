@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spinwheel.engine.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, paged_attention
-from spinwheel.engine.cpu_attention import load_decode_kernel, paged_decode_attention
+from spinwheel.engine.cpu_kernels import load_kernels, paged_decode_attention
 from spinwheel.models.transformer import SDPAAttention
 
 
@@ -19,7 +19,7 @@ def _require_kernel() -> None:
     """Skip only where no C compiler exists; with a compiler, a kernel that fails to build is a failure."""
     if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
         pytest.skip("no C compiler for the fused CPU kernel")
-    assert load_decode_kernel() is not None, "a C compiler exists but the fused CPU kernel did not build"
+    assert load_kernels() is not None, "a C compiler exists but the fused CPU kernel did not build"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["pytorch-buckets", "fused-cpu-kernel"])

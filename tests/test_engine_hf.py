@@ -7,7 +7,7 @@ import torch
 import transformers  # the reference implementation (a test dependency)
 
 from spinwheel.engine import LLM, SamplingParams  # noqa: E402
-from spinwheel.engine.cpu_attention import load_decode_kernel  # noqa: E402
+from spinwheel.engine.cpu_kernels import load_kernels  # noqa: E402
 
 VOCAB, EOS = 96, 2
 MAX_NEW = 20
@@ -69,7 +69,7 @@ def test_greedy_matches_hf(checkpoint, prompts, hf_greedy, name):
     path, _ = checkpoint
     llm = LLM(str(path), **CONFIGS[name])
     # decodes run in the fused CPU kernel wherever it builds (fp32 on the CPU), so these tests cover it end to end
-    assert llm.engine.runner.fused_decode == (load_decode_kernel() is not None)
+    assert llm.engine.runner.fused_decode == (load_kernels() is not None)
     got = _engine_greedy(llm, prompts)
     for i, (g, h) in enumerate(zip(got, hf_greedy)):
         assert g == h, f"prompt {i} (len {len(prompts[i])}): {g} != HF {h}"
@@ -150,7 +150,7 @@ def test_greedy_matches_hf_with_many_decode_buckets(checkpoint, prompts, hf_gree
     from spinwheel.engine import model_runner
 
     monkeypatch.setattr(model_runner, "DECODE_BUCKET_BYTES", 2 * 2 * 16 * 4 * 40)  # ~40 tokens per bucket
-    monkeypatch.setattr(model_runner, "load_decode_kernel", lambda: None)  # the PyTorch path, not the C kernel
+    monkeypatch.setattr(model_runner, "load_kernels", lambda: None)  # the PyTorch path, not the C kernel
     path, _ = checkpoint
     llm = LLM(str(path), block_size=4)
     assert not llm.engine.runner.fused_decode

@@ -6,7 +6,7 @@ cache at ``slot_mapping`` (``block_id * block_size + offset``) and each sequence
 gathered from the cache through its block table:
 
 * decodes (one query token each) on the CPU in fp32 run in one call of the fused C kernel of
-  :mod:`spinwheel.engine.cpu_attention`, which reads each sequence's blocks in place (no gather);
+  :mod:`spinwheel.engine.cpu_kernels`, which reads each sequence's blocks in place (no gather);
 * elsewhere decodes are batched in buckets of similar context length (the runner sorts them): a bucket's block
   tables are padded to its longest context, the gathered keys are masked past each sequence's length, and one
   ``scaled_dot_product_attention`` call covers the bucket, with the ``H // G`` query heads that share a key/value
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spinwheel.engine.cpu_attention import paged_decode_attention
+from spinwheel.engine.cpu_kernels import paged_decode_attention
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa (torch 2.5+)
 
@@ -55,6 +55,7 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) int64: cache slot of each new token
     decodes: list[DecodeBucket]
     prefills: list[PrefillSpan]
+    tables_checked: bool = False  # the runner has range-checked the fused buckets' tables for this step
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -73,9 +74,11 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-    """q (N, H, D), k/v (N, G, D) of this step's tokens (RoPE applied) -> (N, H, D)."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+                    v_cache: torch.Tensor, meta: PagedAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+    """q (N, H, D), k/v (N, G, D) of this step's tokens (RoPE applied) -> (N, H, D). ``kv_written``: k and v are
+    in the cache at ``meta.slot_mapping`` already (the fused RoPE kernel writes them)."""
+    if not kv_written:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     n, h, d = q.shape
     g, bs = k_cache.shape[2], k_cache.shape[1]
     rep = h // g
@@ -85,7 +88,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         rows = slice(b.start, b.start + nd)
         if b.bias is None:  # fused kernel: reads the blocks in place and writes its rows of `out`
             assert b.context_lens is not None
-            paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, b.block_tables, b.context_lens, out[rows])
+            paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, b.block_tables, b.context_lens, out[rows],
+                                   checked=meta.tables_checked)
             continue
         keys = gather_blocks(k_cache, b.block_tables).view(nd, t, g, d).transpose(1, 2)  # (S, G, T, D)
         values = gather_blocks(v_cache, b.block_tables).view(nd, t, g, d).transpose(1, 2)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from spinwheel.engine import cpu_forward
 from spinwheel.engine.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.cpu_attention import load_decode_kernel
+from spinwheel.engine.cpu_kernels import check_decode_tables, load_kernels
 from spinwheel.engine.scheduler import ScheduledSequence, SchedulerOutput
 from spinwheel.models.transformer import Transformer
 
@@ -68,7 +69,9 @@ class ModelRunner:
         self.cpu_v_caches = [torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # decodes go through the fused C kernel (one call per layer, blocks read in place) where it applies
-        self.fused_decode = device.type == "cpu" and dtype == torch.float32 and load_decode_kernel() is not None
+        self.fused_decode = device.type == "cpu" and dtype == torch.float32 and load_kernels() is not None
+        # decode-sized steps run the feature-major CPU forward (projections as W @ X^T, see cpu_forward)
+        self.feature_major = cpu_forward.supports(model)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB on %s), %d CPU swap blocks (%.1f MiB)",
                     self.num_blocks, bs, self.kv_cache_bytes / 2**20, device, self.num_cpu_blocks,
                     self.num_cpu_blocks * block_bytes / 2**20)
@@ -168,6 +171,12 @@ class ModelRunner:
             bias = torch.zeros(missing.shape, dtype=self.model.dtype, device=dev).masked_fill_(missing, float("-inf"))
             buckets.append(DecodeBucket(start, tables, bias[:, None, None, :], lens))
         meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), buckets, spans)
+        if self.fused_decode:  # the C code trusts indices: check this step's tables and slots once, for all layers
+            for b in buckets:
+                check_decode_tables(b.block_tables, b.context_lens, self.num_blocks, bs)  # type: ignore[arg-type]
+            if slots and not 0 <= min(slots) <= max(slots) < self.num_blocks * bs:
+                raise ValueError("KV slot out of range")
+            meta.tables_checked = True
 
         # rows whose logits are needed: the last token of each sequence that completes; whole prompt chunks for
         # prompt logprobs
@@ -187,15 +196,23 @@ class ModelRunner:
                 picks.append(row + n - 1)
             row += n
 
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
-        hidden = self.model(ids, positions=pos, attn_metadata=meta, return_hidden=True)[0]  # (N, C)
-        if len(picks) == hidden.shape[0]:  # every row (pure decode steps): no gather; picks are increasing rows
-            logits = self.model.lm_head(hidden).float()  # (N, V)
-        elif picks:
-            logits = self.model.lm_head(hidden[torch.tensor(picks, device=dev)]).float()  # (R, V)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        if self.feature_major and len(input_ids) <= cpu_forward.MAX_TOKENS:
+            hidden_t = cpu_forward.hidden_states_t(self.model, ids, pos, meta, self.k_caches, self.v_caches,
+                                                   self.fused_decode)  # (C, N)
+            if len(picks) != hidden_t.shape[1]:  # pure decode steps need every column
+                hidden_t = hidden_t[:, torch.tensor(picks, dtype=torch.long, device=dev)]
+            logits = cpu_forward.lm_head_rows(self.model, hidden_t)
         else:
-            logits = hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+            hidden = self.model(ids[None], positions=pos[None], attn_metadata=meta, return_hidden=True)[0]  # (N, C)
+            if len(picks) != hidden.shape[0]:  # every row (pure decode steps): no gather; picks are increasing
+                hidden = hidden[torch.tensor(picks, dtype=torch.long, device=dev)]
+            if self.feature_major:
+                logits = cpu_forward.lm_head_rows(self.model, hidden.t())
+            else:
+                logits = self.model.lm_head(hidden)  # (R, V)
+        logits = logits.float()
         return StepLogits(logits, sample_rows, prompt_rows)
 
 

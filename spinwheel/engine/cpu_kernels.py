@@ -1,0 +1,520 @@
+"""Fused CPU kernels of the engine, in C: paged decode attention and the feature-major element-wise ops.
+
+**Paged decode attention.** The plain-PyTorch decode path (:func:`spinwheel.engine.attention.paged_attention`)
+gathers (copies) every sequence's cached blocks before ``scaled_dot_product_attention`` can read them, and SDPA's
+CPU kernel spends most of its time on small-GEMM overhead for a one-token query. Decode attention is memory-bound,
+so this kernel (written for this project after the fused kernels of the PagedAttention paper, Kwon et al., SOSP
+2023) reads each cached K and V row exactly once, straight from the paged cache, for all query heads of a sequence
+together (grouped-query attention without repeating K/V), with an exact two-pass softmax. Sequences are split over
+``torch.get_num_threads()`` threads by total context length; with OpenMP the shares run in torch's own thread pool
+(the kernel library resolves to the ``libgomp`` torch has loaded) — a second pool of threads would compete with
+torch's spin-waiting workers, which in a measurement erased most of the gain.
+
+**Feature-major element-wise ops** for :mod:`spinwheel.engine.cpu_forward`, whose activations are (features,
+tokens): RMSNorm over the columns, and one pass that applies RoPE to the projected q and k, turns q/k/v to
+(tokens, heads, head_dim) rows and writes k and v into their paged-cache slots. Each replaces 6-15 small PyTorch ops
+per layer. They follow the model's arithmetic (fp32, gain after normalisation, ``x1 cos - x2 sin`` without fused
+multiply-adds); only summation order differs, at float rounding level.
+
+The C source is compiled with the system C compiler on first use (about a second) into a private per-user temporary
+directory, one library per hash of source, compiler and flags, and loaded with :mod:`ctypes`. Without a compiler,
+or on a failed build, the loader returns ``None`` and the engine keeps the PyTorch paths, which stay the tested
+reference (``tests/test_engine_attention.py`` and ``tests/test_engine_cpu_forward.py`` check both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define GET_CSR() _mm_getcsr()
+#define SET_CSR(c) _mm_setcsr(c)
+#else
+#define GET_CSR() 0u
+#define SET_CSR(c) ((void)(c))
+#endif
+
+typedef struct {
+    const float *q, *kc, *vc; const int64_t *tables, *lens; float *out;
+    int64_t H, G, D, bs, max_blocks; float scale; int64_t begin, end; unsigned int csr;
+} job_t;
+
+/* sequences [begin, end): q (S, H, D); caches (num_blocks, bs, G, D); tables (S, max_blocks); out (S, H, D) */
+static void run(const job_t *j) {
+    const int64_t H = j->H, G = j->G, D = j->D, bs = j->bs, rep = H / G;
+    int64_t maxlen = 1;
+    for (int64_t s = j->begin; s < j->end; s++) if (j->lens[s] > maxlen) maxlen = j->lens[s];
+    float *scores = malloc(sizeof(float) * H * maxlen);  /* (T, H) */
+    float *acc = malloc(sizeof(float) * H * D);
+    float *mx = malloc(sizeof(float) * H), *sum = malloc(sizeof(float) * H);
+    for (int64_t s = j->begin; s < j->end; s++) {
+        const int64_t L = j->lens[s];
+        const int64_t *table = j->tables + s * j->max_blocks;
+        const float *q = j->q + s * H * D;
+        for (int64_t h = 0; h < H; h++) { mx[h] = -INFINITY; sum[h] = 0.f; }
+        for (int64_t t = 0; t < L; t++) {  /* scores: one pass over the keys, all heads of a token together */
+            const float *k = j->kc + (table[t / bs] * bs + t % bs) * G * D;
+            float *sc = scores + t * H;
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = q + h * D, *kh = k + (h / rep) * D;
+                float d = 0.f;
+                for (int64_t i = 0; i < D; i++) d += qh[i] * kh[i];
+                sc[h] = d * j->scale;
+                if (sc[h] > mx[h]) mx[h] = sc[h];
+            }
+        }
+        for (int64_t t = 0; t < L; t++) for (int64_t h = 0; h < H; h++) {
+            const float e = expf(scores[t * H + h] - mx[h]);
+            scores[t * H + h] = e; sum[h] += e;
+        }
+        memset(acc, 0, sizeof(float) * H * D);
+        for (int64_t t = 0; t < L; t++) {  /* one pass over the values */
+            const float *v = j->vc + (table[t / bs] * bs + t % bs) * G * D;
+            const float *p = scores + t * H;
+            for (int64_t h = 0; h < H; h++) {
+                const float *vh = v + (h / rep) * D; float *a = acc + h * D; const float ph = p[h];
+                for (int64_t i = 0; i < D; i++) a[i] += ph * vh[i];
+            }
+        }
+        float *o = j->out + s * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float inv = 1.f / sum[h];
+            for (int64_t i = 0; i < D; i++) o[h * D + i] = acc[h * D + i] * inv;
+        }
+    }
+    free(scores); free(acc); free(mx); free(sum);
+}
+
+/* ---- the same computation on 16-float vectors (GCC/Clang vector extensions: AVX-512, AVX2 or SSE code as the
+   target allows) for head dims that are a multiple of 16 ---- */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 vld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void vst(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 vsplat(float x) { v16 v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; return v; }
+static inline float vsum(v16 v) {
+    float t[16]; memcpy(t, &v, sizeof t);
+    for (int w = 8; w > 0; w /= 2) for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+static inline float vmax(v16 v) {
+    float t[16]; memcpy(t, &v, sizeof t);
+    for (int w = 8; w > 0; w /= 2) for (int i = 0; i < w; i++) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
+    return t[0];
+}
+/* exp(x) for x <= 0 (scores minus their maximum): Cephes' expf range reduction and polynomial (about 1 ulp);
+   below -87 the result is clamped to exp(-87) ~ 1.6e-38, i.e. zero against the maximum's exp(0) = 1 */
+static inline v16 vexp_nonpos(v16 x) {
+    const v16i lo = (v16i)(x < vsplat(-87.f));
+    x = (v16)((lo & (v16i)vsplat(-87.f)) | (~lo & (v16i)x));
+    const v16i n = __builtin_convertvector(x * vsplat(1.44269504088896341f) - vsplat(0.5f), v16i);
+    const v16 fn = __builtin_convertvector(n, v16);
+    x = x - fn * vsplat(0.693359375f) - fn * vsplat(-2.12194440e-4f);
+    const v16 z = x * x;
+    v16 y = vsplat(1.9875691500e-4f);
+    y = y * x + vsplat(1.3981999507e-3f);
+    y = y * x + vsplat(8.3334519073e-3f);
+    y = y * x + vsplat(4.1665795894e-2f);
+    y = y * x + vsplat(1.6666665459e-1f);
+    y = y * x + vsplat(5.0000001201e-1f);
+    y = y * z + x + vsplat(1.f);
+    return y * (v16)((n + 127) << 23);
+}
+
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+/* lane t of the result = the sum of the lanes of a[t] (16 dot products reduced together, 30 shuffles) */
+static inline v16 vsum16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#else
+static inline v16 vsum16(const v16 *a) {
+    v16 r; for (int t = 0; t < 16; t++) r[t] = vsum(a[t]); return r;
+}
+#endif
+
+/* One sequence, all heads; D a multiple of 16 (a literal at the call sites below, so the loops over D unroll and
+   the accumulators stay in registers). scores (H, LS) with LS >= L rounded up to 16. */
+static inline __attribute__((always_inline)) void attend_vec(const job_t *j, int64_t s, float *scores, int64_t LS,
+                                                             float *qs, float *sum, int64_t *rowoff,
+                                                             v16 *partial, const int64_t D) {
+    const int64_t H = j->H, G = j->G, bs = j->bs, rep = H / G, L = j->lens[s];
+    const int64_t *table = j->tables + s * j->max_blocks;
+    for (int64_t i = 0; i < H * D; i++) qs[i] = j->q[s * H * D + i] * j->scale;
+    for (int64_t t = 0, b = 0, off = 0; t < L; t++) {  /* cache row of each key: no division per access */
+        rowoff[t] = (table[b] * bs + off) * G * D;
+        if (++off == bs) { off = 0; b++; }
+    }
+    /* scores, 16 keys (one chunk) at a time, reading the key rows in memory order (the prefetchers stream them);
+       the unreduced products wait in partial (H, 16) and are reduced 16 at a time */
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t nt = L - t0 < 16 ? L - t0 : 16;
+        for (int64_t u = 0; u < 16; u++) {
+            if (u >= nt) { for (int64_t h = 0; h < H; h++) partial[h * 16 + u] = vsplat(0.f); continue; }
+            const float *k = j->kc + rowoff[t0 + u];
+            for (int64_t g = 0; g < G; g++) {
+                v16 kg[16];  /* D <= 256 */
+                for (int64_t i = 0; i < D / 16; i++) kg[i] = vld(k + g * D + 16 * i);
+                for (int64_t r = 0; r < rep; r++) {
+                    const int64_t h = g * rep + r;
+                    const float *qh = qs + h * D;
+                    v16 a = vld(qh) * kg[0];
+                    for (int64_t i = 1; i < D / 16; i++) a += vld(qh + 16 * i) * kg[i];
+                    partial[h * 16 + u] = a;
+                }
+            }
+        }
+        for (int64_t h = 0; h < H; h++) vst(scores + h * LS + t0, vsum16(partial + h * 16));
+    }
+    for (int64_t h = 0; h < H; h++) {  /* softmax numerators, 16 scores at a time */
+        float *row = scores + h * LS;
+        for (int64_t t = L; t < LS; t++) row[t] = -INFINITY;  /* padding: exp gives ~0, never added below */
+        v16 m = vld(row);
+        for (int64_t t = 16; t < LS; t += 16) {
+            const v16 x = vld(row + t); const v16i gt = (v16i)(x > m);
+            m = (v16)((gt & (v16i)x) | (~gt & (v16i)m));
+        }
+        const v16 mx = vsplat(vmax(m));
+        v16 tot = vsplat(0.f);
+        for (int64_t t = 0; t + 16 <= L; t += 16) {
+            const v16 e = vexp_nonpos(vld(row + t) - mx); vst(row + t, e); tot += e;
+        }
+        float total = vsum(tot);
+        if (L % 16) {
+            const int64_t t0 = L / 16 * 16;
+            float e[16]; vst(e, vexp_nonpos(vld(row + t0) - mx));
+            for (int64_t t = t0; t < L; t++) { row[t] = e[t - t0]; total += e[t - t0]; }
+        }
+        sum[h] = total;
+    }
+    /* values, in memory order; the output rows (H * D floats) accumulate in L1 */
+    float *o = j->out + s * H * D;
+    memset(o, 0, sizeof(float) * H * D);
+    for (int64_t t = 0; t < L; t++) {
+        const float *v = j->vc + rowoff[t];
+        for (int64_t g = 0; g < G; g++) {
+            v16 vg[16];
+            for (int64_t i = 0; i < D / 16; i++) vg[i] = vld(v + g * D + 16 * i);
+            for (int64_t r = 0; r < rep; r++) {
+                const int64_t h = g * rep + r;
+                const v16 pt = vsplat(scores[h * LS + t]);
+                float *oh = o + h * D;
+                for (int64_t i = 0; i < D / 16; i++) vst(oh + 16 * i, vld(oh + 16 * i) + pt * vg[i]);
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const v16 inv = vsplat(1.f / sum[h]);
+        for (int64_t i = 0; i < D / 16; i++) vst(o + h * D + 16 * i, vld(o + h * D + 16 * i) * inv);
+    }
+}
+
+static void run_vec(const job_t *j) {
+    const int64_t H = j->H, D = j->D;
+    int64_t maxlen = 1;
+    for (int64_t s = j->begin; s < j->end; s++) if (j->lens[s] > maxlen) maxlen = j->lens[s];
+    const int64_t LS = (maxlen + 15) / 16 * 16;
+    float *scores = malloc(sizeof(float) * H * LS), *qs = malloc(sizeof(float) * H * D);
+    float *sum = malloc(sizeof(float) * H);
+    int64_t *rowoff = malloc(sizeof(int64_t) * LS);
+    v16 *partial = aligned_alloc(64, sizeof(v16) * H * 16);
+    for (int64_t s = j->begin; s < j->end; s++) {
+        if (D == 64) attend_vec(j, s, scores, LS, qs, sum, rowoff, partial, 64);
+        else if (D == 128) attend_vec(j, s, scores, LS, qs, sum, rowoff, partial, 128);
+        else attend_vec(j, s, scores, LS, qs, sum, rowoff, partial, D);
+    }
+    free(scores); free(qs); free(sum); free(rowoff); free(partial);
+}
+
+void paged_decode_attention(const float *q, const float *kc, const float *vc, const int64_t *tables,
+                            const int64_t *lens, float *out, int64_t S, int64_t H, int64_t G, int64_t D,
+                            int64_t bs, int64_t max_blocks, float scale, int64_t num_threads) {
+    enum { MAX_THREADS = 256 };
+    job_t jobs[MAX_THREADS];
+    if (num_threads > S) num_threads = S;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    int64_t total = 0;
+    for (int64_t s = 0; s < S; s++) total += lens[s];
+    const unsigned int csr = GET_CSR();
+    int64_t s0 = 0, c = 0;
+    for (int64_t n = 0; n < num_threads; n++) {  /* contiguous ranges of about equal total context */
+        const int64_t target = total * (n + 1) / num_threads;
+        int64_t s1 = s0;
+        while (s1 < S && (c < target || n == num_threads - 1)) c += lens[s1++];
+        job_t j = {q, kc, vc, tables, lens, out, H, G, D, bs, max_blocks, scale, s0, s1, csr};
+        jobs[n] = j; s0 = s1;
+    }
+    /* torch's own OpenMP pool runs the shares (the library resolves to the libgomp torch loaded), so no second
+       set of threads competes with torch's spinning workers; every thread takes the caller's control word
+       (denormal flushing). Built without OpenMP, the loop runs serially. */
+    #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int64_t n = 0; n < num_threads; n++) {
+        SET_CSR(jobs[n].csr);
+        if (D % 16 == 0 && D <= 256) run_vec(&jobs[n]); else run(&jobs[n]);
+    }
+}
+
+/* RMSNorm of the columns of x (C, N): out[c, n] = w[c] * (x[c, n] / sqrt(mean_c x[c, n]^2 + eps)) */
+void rms_norm_t(const float *x, const float *w, float *out, int64_t C, int64_t N, float eps) {
+    float *inv = calloc(N, sizeof(float));
+    for (int64_t c = 0; c < C; c++) {
+        const float *xc = x + c * N;
+        for (int64_t n = 0; n < N; n++) inv[n] += xc[n] * xc[n];
+    }
+    for (int64_t n = 0; n < N; n++) inv[n] = 1.f / sqrtf(inv[n] / (float)C + eps);
+    for (int64_t c = 0; c < C; c++) {
+        const float *xc = x + c * N; float *oc = out + c * N; const float wc = w[c];
+        for (int64_t n = 0; n < N; n++) oc[n] = wc * (xc[n] * inv[n]);
+    }
+    free(inv);
+}
+
+/* RoPE rounds as the model's PyTorch ops do: no contraction of x1 * c - x2 * s into a fused multiply-add */
+#if defined(__clang__)
+#define NO_FMA_BEGIN _Pragma("clang fp contract(off)")
+#define NO_FMA_ATTR
+#elif defined(__GNUC__)
+#define NO_FMA_BEGIN
+#define NO_FMA_ATTR __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FMA_BEGIN
+#define NO_FMA_ATTR
+#endif
+
+/* Rotate-half RoPE of one projection, transposed: xt (heads * D, N) -> out (N, heads, D); cos/sin (N, D/2).
+   With a cache, row n is also written to cache slot slots[n] (cache rows of heads * D floats). */
+NO_FMA_ATTR static void rope_rows(const float *xt, const float *cos_, const float *sin_, float *out, float *cache,
+                                  const int64_t *slots, int64_t N, int64_t heads, int64_t D, int rotate) {
+    NO_FMA_BEGIN
+    const int64_t half = D / 2, W = heads * D;
+    for (int64_t h = 0; h < heads; h++) {
+        for (int64_t i = 0; i < half; i++) {
+            const float *x1 = xt + (h * D + i) * N, *x2 = xt + (h * D + i + half) * N;
+            for (int64_t n = 0; n < N; n++) {
+                float *o = out + n * W + h * D;
+                if (rotate) {
+                    const float c = cos_[n * half + i], s = sin_[n * half + i];
+                    o[i] = x1[n] * c - x2[n] * s;
+                    o[i + half] = x2[n] * c + x1[n] * s;
+                } else {
+                    o[i] = x1[n]; o[i + half] = x2[n];
+                }
+            }
+        }
+    }
+    if (cache) for (int64_t n = 0; n < N; n++) memcpy(cache + slots[n] * W, out + n * W, sizeof(float) * W);
+}
+
+void rope_qkv_t(const float *qt, const float *kt, const float *vt, const float *cos_, const float *sin_,
+                float *q, float *k, float *v, float *kc, float *vc, const int64_t *slots,
+                int64_t N, int64_t H, int64_t G, int64_t D) {
+    rope_rows(qt, cos_, sin_, q, NULL, NULL, N, H, D, 1);
+    rope_rows(kt, cos_, sin_, k, kc, slots, N, G, D, 1);
+    rope_rows(vt, cos_, sin_, v, vc, slots, N, G, D, 0);
+}
+"""
+
+# -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only (the softmax
+# starts from -inf).
+_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared",
+          "-fPIC"]
+# tried in order: OpenMP (run in torch's thread pool) and AVX where the compiler and the loader allow
+_VARIANTS = (["-fopenmp", "-march=native"], ["-fopenmp"], ["-march=native"], [])
+
+
+def _compile(compiler: str, flags: list[str], out_path: str) -> bool:
+    src_dir = os.path.dirname(out_path)
+    with tempfile.NamedTemporaryFile("w", suffix=".c", dir=src_dir, delete=False) as f:
+        f.write(_SOURCE)
+        src = f.name
+    tmp_out = f"{out_path}.{os.getpid()}.tmp"
+    try:
+        if subprocess.run([compiler, *_FLAGS, *flags, src, "-o", tmp_out], capture_output=True,
+                          timeout=120).returncode != 0:
+            return False
+        os.replace(tmp_out, out_path)  # atomic: concurrent builders never load a half-written file
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        for p in (src, tmp_out):
+            if os.path.exists(p):
+                os.remove(p)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The C functions of one built library (see the module docstring)."""
+
+    paged_decode_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rms_norm_t: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rope_qkv_t: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+def _bind(lib: ctypes.CDLL) -> Kernels:
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode_attention": [ptr] * 6 + [i64] * 6 + [f32, i64],
+        "rms_norm_t": [ptr] * 3 + [i64] * 2 + [f32],
+        "rope_qkv_t": [ptr] * 11 + [i64] * 4,
+    }
+    fns = {}
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+        fns[name] = fn
+    return Kernels(**fns)
+
+
+@functools.cache
+def load_kernels() -> Kernels | None:
+    """The compiled kernels, or ``None`` where no C compiler can build them (the engine then uses PyTorch ops)."""
+    compiler = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if compiler is None:
+        logger.info("no C compiler found: the engine uses its PyTorch paths on CPU")
+        return None
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    cache_dir = os.path.join(tempfile.gettempdir(), f"spinwheel-kernels-{user}")
+    try:
+        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+        st = os.stat(cache_dir)
+    except OSError:
+        return None
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        # a shared temporary directory: never load a library that another user could have placed there
+        logger.info("%s is not private to this user: the engine uses its PyTorch paths on CPU", cache_dir)
+        return None
+    for flags in _VARIANTS:
+        key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, *flags, platform.machine()]).encode())
+        path = os.path.join(cache_dir, f"engine_kernels-{key.hexdigest()[:16]}.so")
+        if not os.path.exists(path) and not _compile(compiler, flags, path):
+            continue
+        try:
+            kernels = _bind(ctypes.CDLL(path))
+        except (OSError, AttributeError):  # e.g. an OpenMP runtime the loader cannot resolve: next variant
+            continue
+        logger.debug("CPU engine kernels: %s (%s)", path, " ".join(flags) or "no extra flags")
+        return kernels
+    logger.info("building the CPU engine kernels failed: the engine uses its PyTorch paths on CPU")
+    return None
+
+
+def _require() -> Kernels:
+    kernels = load_kernels()
+    if kernels is None:
+        raise RuntimeError("the CPU engine kernels are not available (no C compiler, or the build failed)")
+    return kernels
+
+
+def _check_f32(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+
+
+def check_decode_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int,
+                        block_size: int) -> None:
+    """The C code trusts its indices: every block id must exist and every context fit its table."""
+    if block_tables.numel() == 0:
+        return
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks or int(context_lens.min()) < 1 or \
+            int(context_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError("paged_decode_attention: block table or context length out of range")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+                           checked: bool = False) -> None:
+    """One query token per sequence: q (S, H, D), caches (num_blocks, block_size, G, D), block_tables
+    (S, max_blocks) int64, context_lens (S,) int64 (keys per sequence, this step's token included) -> ``out``
+    (S, H, D), written in place. q, caches and out: contiguous fp32 CPU tensors. ``checked``: the caller has run
+    :func:`check_decode_tables` on these tables already (the runner does, once per step for all layers)."""
+    fn = _require().paged_decode_attention
+    s, h, d = q.shape
+    num_blocks, bs, g, _ = k_cache.shape
+    _check_f32(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+    if (h % g or out.shape != q.shape or v_cache.shape != k_cache.shape or k_cache.shape[3] != d
+            or block_tables.shape[0] != s or context_lens.shape != (s,)):
+        raise ValueError("paged_decode_attention: inconsistent shapes")
+    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or \
+            not block_tables.is_contiguous() or not context_lens.is_contiguous():
+        block_tables, context_lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64)
+        context_lens = context_lens.contiguous()
+    if s == 0:
+        return
+    if not checked:
+        check_decode_tables(block_tables, context_lens, num_blocks, bs)
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+       out.data_ptr(), s, h, g, d, bs, block_tables.shape[1], d ** -0.5, torch.get_num_threads())
+
+
+def rms_norm_t(x_t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the columns of x_t (C, N) with gain ``weight`` (C,) -> new (C, N)."""
+    _check_f32(x_t=x_t, weight=weight)
+    c, n = x_t.shape
+    if weight.shape != (c,):
+        raise ValueError(f"rms_norm_t: weight shape {tuple(weight.shape)} != ({c},)")
+    out = torch.empty_like(x_t)
+    _require().rms_norm_t(x_t.data_ptr(), weight.data_ptr(), out.data_ptr(), c, n, eps)
+    return out
+
+
+def rope_qkv_t(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+               slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projected q_t (H*D, N), k_t/v_t (G*D, N) and cos/sin (N, D/2) -> q (N, H, D) and k (N, G, D) with
+    rotate-half RoPE, v (N, G, D); with caches (num_blocks, block_size, G, D) and ``slot_mapping`` (N,) int64, k
+    and v are also written to their cache slots (the slots must exist: the runner builds them from its tables)."""
+    n = q_t.shape[1]
+    half = cos.shape[1]
+    d = 2 * half
+    _check_f32(q_t=q_t, k_t=k_t, v_t=v_t, cos=cos, sin=sin)
+    if q_t.shape[0] % d or k_t.shape != v_t.shape or k_t.shape[0] % d or k_t.shape[1] != n or \
+            cos.shape != (n, half) or sin.shape != cos.shape:
+        raise ValueError("rope_qkv_t: inconsistent shapes")
+    h, g = q_t.shape[0] // d, k_t.shape[0] // d
+    q, k, v = q_t.new_empty(n, h, d), k_t.new_empty(n, g, d), v_t.new_empty(n, g, d)
+    kc = vc = slots = 0
+    if k_cache is not None and v_cache is not None and slot_mapping is not None:
+        _check_f32(k_cache=k_cache, v_cache=v_cache)
+        if k_cache.shape[2:] != (g, d) or v_cache.shape != k_cache.shape or slot_mapping.shape != (n,) or \
+                slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            raise ValueError("rope_qkv_t: cache or slot_mapping does not match")
+        kc, vc, slots = k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr()
+    _require().rope_qkv_t(q_t.data_ptr(), k_t.data_ptr(), v_t.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                          q.data_ptr(), k.data_ptr(), v.data_ptr(), kc, vc, slots, n, h, g, d)
+    return q, k, v
