@@ -31,6 +31,9 @@ class EngineConfig:
     flush_denormal: bool = option(
         True, help="flush denormal floats to zero while a step runs (CPU kernels slow down several-fold on them; "
                    "the previous setting is restored after the step)")
+    cpu_packed_weights: bool = option(
+        True, help="on CPU in fp32, run the projections on oneDNN-packed copies of the weights (faster GEMMs, one "
+                   "more copy of the projection weights in memory; repacked when the weights change)")
     seed: int = option(0, help="seed of the engine's generator for requests without their own seed")
     dtype: str | None = option(None, help="model dtype when loading from a path (default: the checkpoint's)")
     device: str | None = option(None, help="device when loading from a path (default: cuda if available)")

@@ -1,21 +1,30 @@
-"""The engine's CPU forward for decode-sized steps: every projection as ``W @ X^T``, activations kept feature-major.
+"""The engine's forward on CPU: oneDNN-packed projection weights and fused element-wise kernels.
 
-``nn.Linear`` computes ``X @ W^T``. In BLAS terms the weight is then the transposed right-hand operand, and for the
-few-token GEMMs of a decode step (M = the batch, tens of rows, against weights that stream from DRAM every step)
-MKL's sgemm spends a large share of its time packing that operand. Computing the transposed product
-``W @ X^T`` instead makes the weight the untransposed left operand. Measured on this project's benchmark machine
-(2 threads, cold weights, the 28M-parameter benchmark model's shapes): 25-35% less time for M = 32-256 rows
-(e.g. the 8192 x 512 LM head at M = 64: 3.8 ms against 5.8 ms), equal at M ~ 1024 and slightly slower beyond, so the
-runner uses this path only up to :data:`MAX_TOKENS` tokens per step and the model's own forward above.
+``nn.Linear`` on a CPU runs MKL's sgemm, which repacks the weight operand on every call. For the few-row GEMMs of
+decode steps (M = the batch, against weights that stream from DRAM every step) that repacking dominates. oneDNN, which
+PyTorch ships, can reorder a weight once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and
+then run ``_linear_pointwise`` on it. Measured on this project's benchmark machine (2 threads, the 28M-parameter
+benchmark model's 57 projections in sequence, weights cold): M = 8 rows 5.0 ms against 11-14 ms, M = 48 14.6-15.7 ms
+against 18-28 ms, M = 64 17.4-18.0 against 22-34 ms, and M = 2048 (a prefill step) 450-480 ms against 520-560 ms.
 
-The activations therefore live as ``X^T`` (C, N): the output of one projection is directly the right operand of
-the next, residual adds fold into ``addmm_``, and RMSNorm reduces over dim 0. Only attention sees the usual
-(N, heads, D) layout. The math is the model's own (:mod:`spinwheel.models.transformer`: RMSNorm in fp32 with the
-gain applied last, rotate-half RoPE, SwiGLU, optional q/k norms and biases), read from the same parameters, so a
-weight update reaches it at once; tests check it against the model's forward and HF ``generate``.
+:class:`PackedWeights` keeps the packed copies (q/k/v fused into one matrix, gate/up into another, as vLLM's
+``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do, so each layer runs four GEMMs) and repacks a group as soon as
+one of its parameters changes: every step compares the parameters' identities and in-place version counters, so an
+optimizer step on a model shared with a trainer, ``update_weights`` or a ``load_state_dict`` reaches the next
+generation step. The copies cost one more copy of the projection weights in memory (``EngineConfig.cpu_packed_weights``
+turns the path off).
+
+:func:`hidden_states` is the model's own forward (:mod:`spinwheel.models.transformer`: RMSNorm in fp32 with the gain
+applied last, rotate-half RoPE, SwiGLU, optional q/k norms and biases) over those weights; residual adds ride on the
+GEMMs as oneDNN post-ops, and with the C kernels of :mod:`spinwheel.engine.cpu_kernels` RMSNorm, RoPE (with the K/V
+cache writes) and silu * up are one call each. Tests check it against the model's forward, dense attention and HF
+``generate``.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +34,30 @@ from spinwheel.engine import cpu_kernels
 from spinwheel.engine.attention import PagedAttentionMetadata, paged_attention, write_kv
 from spinwheel.models.transformer import RMSNorm, Transformer
 
-MAX_TOKENS = 512  # steps with more flat tokens than this run the model's own forward (X @ W^T is as fast there)
+logger = logging.getLogger(__name__)
+
+_BATCH_HINT = 64  # rows the packed layout is tuned for (measured: 64 and 2048 both serve 1-2048 rows well)
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    """True when this PyTorch build has oneDNN's packed linear and it agrees with ``F.linear``."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        w, x, b = torch.randn(24, 16), torch.randn(3, 16), torch.randn(24)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+        y2 = torch.ops.mkldnn._linear_pointwise.binary(x, y, packed, b, "add")
+        ref = F.linear(x, w, b)
+        return bool(torch.allclose(y, ref, atol=1e-4) and torch.allclose(y2, 2 * ref, atol=1e-4))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def supports(model: Transformer) -> bool:
-    """True when every layer is the plain model (no wrapped or sharded projections) on a CPU in fp32."""
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+    """True for the plain model (no wrapped or sharded projections) in fp32 on a CPU with oneDNN's packed linear."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or not onednn_linear_available():
         return False
     if type(model.lm_head) is not nn.Linear or type(model.norm) is not RMSNorm:
         return False
@@ -44,26 +71,82 @@ def supports(model: Transformer) -> bool:
     return True
 
 
-def _rms_norm_t(x_t: torch.Tensor, norm: RMSNorm, fused: bool) -> torch.Tensor:
-    """RMSNorm of the columns of x_t (C, N)."""
+def _version(t: torch.Tensor) -> int:
+    """The in-place version counter (-1 for inference-mode tensors, which keep none: those are repacked only by
+    :meth:`PackedWeights.refresh` with ``force``, as ``update_weights`` does)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+class _Packed:
+    """One packed (possibly fused) projection and the parameters it was built from."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        self.source: list[tuple[torch.Tensor, int]] = []
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [t for m in self.linears for t in (m.weight, m.bias) if t is not None]
+
+    def stale(self) -> bool:
+        params = self._params()
+        return len(params) != len(self.source) or any(
+            p is not q or _version(p) != v for p, (q, v) in zip(params, self.source))
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        ws = [m.weight.detach() for m in self.linears]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _BATCH_HINT)
+        if any(m.bias is not None for m in self.linears):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                   for m in self.linears])
+        else:
+            self.bias = None
+        self.source = [(p, _version(p)) for p in self._params()]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + projection(x), the add done by oneDNN as a post-op."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+
+
+class PackedWeights:
+    """oneDNN-packed copies of a model's projections: per layer qkv, o, gate|up, down; and the LM head."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.layers: list[tuple[_Packed, _Packed, _Packed, _Packed]] = []
+        for layer in model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            self.layers.append((_Packed([att.q_proj, att.k_proj, att.v_proj]), _Packed([att.o_proj]),
+                                _Packed([mlp.gate_proj, mlp.up_proj]), _Packed([mlp.down_proj])))
+        self.lm_head = _Packed([model.lm_head])
+        self.refresh()
+        nbytes = sum(p.weight.numel() * 4 for group in self.layers for p in group)  # type: ignore[union-attr]
+        logger.info("oneDNN-packed projection weights: %.1f MiB", (nbytes + model.lm_head.weight.numel() * 4) / 2**20)
+
+    def refresh(self, force: bool = False) -> int:
+        """Repack every group whose parameters changed since it was packed (all with ``force``); returns how many
+        were repacked."""
+        n = 0
+        for p in [q for group in self.layers for q in group] + [self.lm_head]:
+            if force or p.weight is None or p.stale():
+                p.pack()
+                n += 1
+        return n
+
+
+def _rms_norm(x: torch.Tensor, norm: RMSNorm, fused: bool) -> torch.Tensor:
     if fused:
-        return cpu_kernels.rms_norm_t(x_t, norm.weight, norm.eps)
-    inv = x_t.pow(2).mean(0, keepdim=True).add_(norm.eps).rsqrt_()  # (1, N)
-    return (x_t * inv).mul_(norm.weight[:, None])
-
-
-def _proj_t(linear: nn.Linear, x_t: torch.Tensor) -> torch.Tensor:
-    """(W @ X^T) (+ bias): x_t (in, N) -> (out, N)."""
-    if linear.bias is None:
-        return torch.mm(linear.weight, x_t)
-    return torch.addmm(linear.bias[:, None], linear.weight, x_t)
-
-
-def _add_proj_t(x_t: torch.Tensor, linear: nn.Linear, a_t: torch.Tensor) -> None:
-    """x_t += W @ a_t (+ bias), in place (the residual add folded into the GEMM)."""
-    x_t.addmm_(linear.weight, a_t)
-    if linear.bias is not None:
-        x_t.add_(linear.bias[:, None])
+        return cpu_kernels.rms_norm(x, norm.weight, norm.eps)
+    return norm(x)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,37 +157,37 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def hidden_states_t(model: Transformer, input_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: PagedAttentionMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                    fused: bool) -> torch.Tensor:
-    """input_ids, positions (N,) -> final normalised hidden states transposed, (C, N). New K/V go to the caches
-    at ``meta.slot_mapping`` (the runner has checked those slots). ``fused``: use the C kernels of
-    :mod:`spinwheel.engine.cpu_kernels` for RMSNorm and RoPE + K/V writes, else PyTorch ops."""
+def hidden_states(model: Transformer, packed: PackedWeights, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: PagedAttentionMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                  fused: bool) -> torch.Tensor:
+    """input_ids, positions (N,) -> final normalised hidden states (N, C). New K/V go to the caches at
+    ``meta.slot_mapping`` (the runner has checked those slots). ``fused``: use the C kernels of
+    :mod:`spinwheel.engine.cpu_kernels` for RMSNorm, RoPE + K/V writes and silu * up, else PyTorch ops."""
     n = input_ids.shape[0]
-    x_t = model.embed_tokens.weight.index_select(0, input_ids).t().contiguous()  # (C, N)
+    x = model.embed_tokens.weight.index_select(0, input_ids)  # (N, C)
     freqs = positions.float()[:, None] * model.rotary.inv_freq.float()  # (N, D/2)
     cos, sin = freqs.cos(), freqs.sin()
-    for i, layer in enumerate(model.layers):
-        att, mlp = layer.self_attn, layer.mlp
+    for i, (layer, (qkv_p, o_p, gate_up_p, down_p)) in enumerate(zip(model.layers, packed.layers)):
+        att = layer.self_attn
         d = att.head_dim
-        h_t = _rms_norm_t(x_t, layer.input_layernorm, fused)
-        q_t, k_t, v_t = _proj_t(att.q_proj, h_t), _proj_t(att.k_proj, h_t), _proj_t(att.v_proj, h_t)
+        h_dim, g_dim = att.q_proj.out_features, att.k_proj.out_features
+        qkv = qkv_p(_rms_norm(x, layer.input_layernorm, fused))  # (N, (H + 2G) * D)
         if fused and att.q_norm is None:
-            q, k, v = cpu_kernels.rope_qkv_t(q_t, k_t, v_t, cos, sin, k_caches[i], v_caches[i], meta.slot_mapping)
+            q, k, v = cpu_kernels.rope_qkv(qkv, h_dim // d, g_dim // d, cos, sin, k_caches[i], v_caches[i],
+                                           meta.slot_mapping)
         else:
-            q, k, v = (t.t().view(n, -1, d) for t in (q_t, k_t, v_t))  # (N, heads, D) views
+            q, k, v = (t.view(n, -1, d) for t in qkv.split([h_dim, g_dim, g_dim], dim=1))
             if att.q_norm is not None and att.k_norm is not None:
                 q, k = att.q_norm(q), att.k_norm(k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             write_kv(k_caches[i], v_caches[i], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_caches[i], v_caches[i], meta, kv_written=True)  # (N, H, D)
-        _add_proj_t(x_t, att.o_proj, out.view(n, -1).t())
-        h_t = _rms_norm_t(x_t, layer.post_attention_layernorm, fused)
-        g = F.silu(_proj_t(mlp.gate_proj, h_t), inplace=True)
-        _add_proj_t(x_t, mlp.down_proj, g.mul_(_proj_t(mlp.up_proj, h_t)))
-    return _rms_norm_t(x_t, model.norm, fused)
-
-
-def lm_head_rows(model: Transformer, hidden_t: torch.Tensor) -> torch.Tensor:
-    """Logits (R, V) of the columns of hidden_t (C, R), as W @ H^T (see the module docstring)."""
-    return torch.mm(model.lm_head.weight, hidden_t).t().contiguous()
+        x = o_p.add_to(out.view(n, -1), x)
+        gate_up = gate_up_p(_rms_norm(x, layer.post_attention_layernorm, fused))  # (N, 2I)
+        if fused:
+            act = cpu_kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=1)
+            act = F.silu(gate) * up
+        x = down_p.add_to(act, x)
+    return _rms_norm(x, model.norm, fused)

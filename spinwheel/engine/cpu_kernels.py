@@ -288,19 +288,33 @@ void paged_decode_attention(const float *q, const float *kc, const float *vc, co
     }
 }
 
-/* RMSNorm of the columns of x (C, N): out[c, n] = w[c] * (x[c, n] / sqrt(mean_c x[c, n]^2 + eps)) */
-void rms_norm_t(const float *x, const float *w, float *out, int64_t C, int64_t N, float eps) {
-    float *inv = calloc(N, sizeof(float));
-    for (int64_t c = 0; c < C; c++) {
-        const float *xc = x + c * N;
-        for (int64_t n = 0; n < N; n++) inv[n] += xc[n] * xc[n];
+/* RMSNorm of the rows of x (N, C): out[n, c] = w[c] * (x[n, c] / sqrt(mean_c x[n, c]^2 + eps)) */
+void rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t C, float eps) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *xn = x + n * C; float *on = out + n * C;
+        float ss = 0.f;
+        for (int64_t c = 0; c < C; c++) ss += xn[c] * xn[c];
+        const float inv = 1.f / sqrtf(ss / (float)C + eps);
+        for (int64_t c = 0; c < C; c++) on[c] = w[c] * (xn[c] * inv);
     }
-    for (int64_t n = 0; n < N; n++) inv[n] = 1.f / sqrtf(inv[n] / (float)C + eps);
-    for (int64_t c = 0; c < C; c++) {
-        const float *xc = x + c * N; float *oc = out + c * N; const float wc = w[c];
-        for (int64_t n = 0; n < N; n++) oc[n] = wc * (xc[n] * inv[n]);
+}
+
+/* SwiGLU's element-wise half: gu (N, 2I) holds gate | up per row -> out (N, I) = silu(gate) * up, with
+   silu(x) = x * sigmoid(x) and sigmoid from exp(-|x|) (never overflows) */
+void silu_mul(const float *gu, float *out, int64_t N, int64_t I) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *g = gu + n * 2 * I, *u = g + I; float *o = out + n * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const v16 x = vld(g + i);
+            const v16i neg = (v16i)(x < vsplat(0.f));
+            const v16 mabs = (v16)(((v16i)x) | (v16i)vsplat(-0.f));  /* -|x| */
+            const v16 e = vexp_nonpos(mabs), inv = vsplat(1.f) / (vsplat(1.f) + e);
+            const v16 sig = (v16)((neg & (v16i)(e * inv)) | (~neg & (v16i)inv));
+            vst(o + i, x * sig * vld(u + i));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
-    free(inv);
 }
 
 /* RoPE rounds as the model's PyTorch ops do: no contraction of x1 * c - x2 * s into a fused multiply-add */
@@ -315,36 +329,37 @@ void rms_norm_t(const float *x, const float *w, float *out, int64_t C, int64_t N
 #define NO_FMA_ATTR
 #endif
 
-/* Rotate-half RoPE of one projection, transposed: xt (heads * D, N) -> out (N, heads, D); cos/sin (N, D/2).
-   With a cache, row n is also written to cache slot slots[n] (cache rows of heads * D floats). */
-NO_FMA_ATTR static void rope_rows(const float *xt, const float *cos_, const float *sin_, float *out, float *cache,
-                                  const int64_t *slots, int64_t N, int64_t heads, int64_t D, int rotate) {
+/* Rotate-half RoPE over the `heads` heads starting at column c0 of the rows of x (N, row stride sx):
+   out (N, heads, D); cos/sin (N, D/2). With a cache, row n is also written to cache slot slots[n]. */
+NO_FMA_ATTR static void rope_heads(const float *x, int64_t sx, int64_t c0, const float *cos_, const float *sin_,
+                                   float *out, float *cache, const int64_t *slots, int64_t N, int64_t heads,
+                                   int64_t D, int rotate) {
     NO_FMA_BEGIN
     const int64_t half = D / 2, W = heads * D;
-    for (int64_t h = 0; h < heads; h++) {
-        for (int64_t i = 0; i < half; i++) {
-            const float *x1 = xt + (h * D + i) * N, *x2 = xt + (h * D + i + half) * N;
-            for (int64_t n = 0; n < N; n++) {
-                float *o = out + n * W + h * D;
-                if (rotate) {
-                    const float c = cos_[n * half + i], s = sin_[n * half + i];
-                    o[i] = x1[n] * c - x2[n] * s;
-                    o[i + half] = x2[n] * c + x1[n] * s;
-                } else {
-                    o[i] = x1[n]; o[i + half] = x2[n];
-                }
+    for (int64_t n = 0; n < N; n++) {
+        const float *xn = x + n * sx + c0, *c = cos_ + n * half, *s = sin_ + n * half;
+        float *o = out + n * W;
+        if (!rotate) memcpy(o, xn, sizeof(float) * W);
+        else for (int64_t h = 0; h < heads; h++) {
+            const float *x1 = xn + h * D, *x2 = x1 + half;
+            float *o1 = o + h * D, *o2 = o1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
             }
         }
+        if (cache) memcpy(cache + slots[n] * W, o, sizeof(float) * W);
     }
-    if (cache) for (int64_t n = 0; n < N; n++) memcpy(cache + slots[n] * W, out + n * W, sizeof(float) * W);
 }
 
-void rope_qkv_t(const float *qt, const float *kt, const float *vt, const float *cos_, const float *sin_,
-                float *q, float *k, float *v, float *kc, float *vc, const int64_t *slots,
-                int64_t N, int64_t H, int64_t G, int64_t D) {
-    rope_rows(qt, cos_, sin_, q, NULL, NULL, N, H, D, 1);
-    rope_rows(kt, cos_, sin_, k, kc, slots, N, G, D, 1);
-    rope_rows(vt, cos_, sin_, v, vc, slots, N, G, D, 0);
+/* qkv (N, (H + 2G) * D): the fused projection's rows -> q (N, H, D) and k (N, G, D) with RoPE, v (N, G, D);
+   with caches, k and v are also written to their slots */
+void rope_qkv(const float *qkv, const float *cos_, const float *sin_, float *q, float *k, float *v, float *kc,
+              float *vc, const int64_t *slots, int64_t N, int64_t H, int64_t G, int64_t D) {
+    const int64_t sx = (H + 2 * G) * D;
+    rope_heads(qkv, sx, 0, cos_, sin_, q, NULL, NULL, N, H, D, 1);
+    rope_heads(qkv, sx, H * D, cos_, sin_, k, kc, slots, N, G, D, 1);
+    rope_heads(qkv, sx, (H + G) * D, cos_, sin_, v, vc, slots, N, G, D, 0);
 }
 """
 
@@ -381,16 +396,18 @@ class Kernels:
     """The C functions of one built library (see the module docstring)."""
 
     paged_decode_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
-    rms_norm_t: ctypes._CFuncPtr  # type: ignore[name-defined]
-    rope_qkv_t: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    silu_mul: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rope_qkv: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
 def _bind(lib: ctypes.CDLL) -> Kernels:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
         "paged_decode_attention": [ptr] * 6 + [i64] * 6 + [f32, i64],
-        "rms_norm_t": [ptr] * 3 + [i64] * 2 + [f32],
-        "rope_qkv_t": [ptr] * 11 + [i64] * 4,
+        "rms_norm": [ptr] * 3 + [i64] * 2 + [f32],
+        "silu_mul": [ptr] * 2 + [i64] * 2,
+        "rope_qkv": [ptr] * 9 + [i64] * 4,
     }
     fns = {}
     for name, argtypes in signatures.items():
@@ -482,39 +499,47 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
        out.data_ptr(), s, h, g, d, bs, block_tables.shape[1], d ** -0.5, torch.get_num_threads())
 
 
-def rms_norm_t(x_t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the columns of x_t (C, N) with gain ``weight`` (C,) -> new (C, N)."""
-    _check_f32(x_t=x_t, weight=weight)
-    c, n = x_t.shape
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x (N, C) with gain ``weight`` (C,) -> new (N, C)."""
+    _check_f32(x=x, weight=weight)
+    n, c = x.shape
     if weight.shape != (c,):
-        raise ValueError(f"rms_norm_t: weight shape {tuple(weight.shape)} != ({c},)")
-    out = torch.empty_like(x_t)
-    _require().rms_norm_t(x_t.data_ptr(), weight.data_ptr(), out.data_ptr(), c, n, eps)
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({c},)")
+    out = torch.empty_like(x)
+    _require().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, c, eps)
     return out
 
 
-def rope_qkv_t(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-               slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Projected q_t (H*D, N), k_t/v_t (G*D, N) and cos/sin (N, D/2) -> q (N, H, D) and k (N, G, D) with
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (N, 2I), each row ``gate | up`` -> silu(gate) * up (N, I)."""
+    _check_f32(gate_up=gate_up)
+    n, two_i = gate_up.shape
+    if two_i % 2:
+        raise ValueError(f"silu_mul: odd width {two_i}")
+    out = gate_up.new_empty(n, two_i // 2)
+    _require().silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2)
+    return out
+
+
+def rope_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+             k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+             slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection qkv (N, (H + 2G) * D) and cos/sin (N, D/2) -> q (N, H, D) and k (N, G, D) with
     rotate-half RoPE, v (N, G, D); with caches (num_blocks, block_size, G, D) and ``slot_mapping`` (N,) int64, k
-    and v are also written to their cache slots (the slots must exist: the runner builds them from its tables)."""
-    n = q_t.shape[1]
-    half = cos.shape[1]
-    d = 2 * half
-    _check_f32(q_t=q_t, k_t=k_t, v_t=v_t, cos=cos, sin=sin)
-    if q_t.shape[0] % d or k_t.shape != v_t.shape or k_t.shape[0] % d or k_t.shape[1] != n or \
-            cos.shape != (n, half) or sin.shape != cos.shape:
-        raise ValueError("rope_qkv_t: inconsistent shapes")
-    h, g = q_t.shape[0] // d, k_t.shape[0] // d
-    q, k, v = q_t.new_empty(n, h, d), k_t.new_empty(n, g, d), v_t.new_empty(n, g, d)
+    and v are also written to their cache slots (the slots must exist: the runner checks them once per step)."""
+    _check_f32(qkv=qkv, cos=cos, sin=sin)
+    n, half = cos.shape
+    h, g, d = num_heads, num_kv_heads, 2 * half
+    if qkv.shape != (n, (h + 2 * g) * d) or sin.shape != cos.shape:
+        raise ValueError("rope_qkv: inconsistent shapes")
+    q, k, v = qkv.new_empty(n, h, d), qkv.new_empty(n, g, d), qkv.new_empty(n, g, d)
     kc = vc = slots = 0
     if k_cache is not None and v_cache is not None and slot_mapping is not None:
         _check_f32(k_cache=k_cache, v_cache=v_cache)
         if k_cache.shape[2:] != (g, d) or v_cache.shape != k_cache.shape or slot_mapping.shape != (n,) or \
                 slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
-            raise ValueError("rope_qkv_t: cache or slot_mapping does not match")
+            raise ValueError("rope_qkv: cache or slot_mapping does not match")
         kc, vc, slots = k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr()
-    _require().rope_qkv_t(q_t.data_ptr(), k_t.data_ptr(), v_t.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                          q.data_ptr(), k.data_ptr(), v.data_ptr(), kc, vc, slots, n, h, g, d)
+    _require().rope_qkv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                        kc, vc, slots, n, h, g, d)
     return q, k, v

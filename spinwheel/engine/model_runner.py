@@ -70,16 +70,21 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # decodes go through the fused C kernel (one call per layer, blocks read in place) where it applies
         self.fused_decode = device.type == "cpu" and dtype == torch.float32 and load_kernels() is not None
-        # decode-sized steps run the feature-major CPU forward (projections as W @ X^T, see cpu_forward)
-        self.feature_major = cpu_forward.supports(model)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB on %s), %d CPU swap blocks (%.1f MiB)",
                     self.num_blocks, bs, self.kv_cache_bytes / 2**20, device, self.num_cpu_blocks,
                     self.num_cpu_blocks * block_bytes / 2**20)
+        self.packed: cpu_forward.PackedWeights | None = None
         self.install()
+        # on CPU: oneDNN-packed weights and fused element-wise kernels (see cpu_forward)
+        if config.cpu_packed_weights and cpu_forward.supports(model):
+            self.packed = cpu_forward.PackedWeights(model)
 
     # ---- the attention backend is applied from outside the model ----
     def install(self) -> None:
-        """Put :class:`PagedAttention` in every layer (idempotent; the original kernel stays as fallback)."""
+        """Put :class:`PagedAttention` in every layer (idempotent; the original kernel stays as fallback) and
+        repack the CPU weights (new weights were loaded)."""
+        if self.packed is not None:
+            self.packed.refresh(force=True)
         for i, layer in enumerate(self.model.layers):
             core = layer.self_attn.core
             fallback = core.fallback if isinstance(core, PagedAttention) else core
@@ -198,20 +203,15 @@ class ModelRunner:
 
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        if self.feature_major and len(input_ids) <= cpu_forward.MAX_TOKENS:
-            hidden_t = cpu_forward.hidden_states_t(self.model, ids, pos, meta, self.k_caches, self.v_caches,
-                                                   self.fused_decode)  # (C, N)
-            if len(picks) != hidden_t.shape[1]:  # pure decode steps need every column
-                hidden_t = hidden_t[:, torch.tensor(picks, dtype=torch.long, device=dev)]
-            logits = cpu_forward.lm_head_rows(self.model, hidden_t)
+        if self.packed is not None:
+            self.packed.refresh()  # a trainer sharing the model may have changed weights in place
+            hidden = cpu_forward.hidden_states(self.model, self.packed, ids, pos, meta, self.k_caches, self.v_caches,
+                                               self.fused_decode)  # (N, C)
         else:
             hidden = self.model(ids[None], positions=pos[None], attn_metadata=meta, return_hidden=True)[0]  # (N, C)
-            if len(picks) != hidden.shape[0]:  # every row (pure decode steps): no gather; picks are increasing
-                hidden = hidden[torch.tensor(picks, dtype=torch.long, device=dev)]
-            if self.feature_major:
-                logits = cpu_forward.lm_head_rows(self.model, hidden.t())
-            else:
-                logits = self.model.lm_head(hidden)  # (R, V)
+        if len(picks) != hidden.shape[0]:  # pure decode steps need every row: no gather
+            hidden = hidden[torch.tensor(picks, dtype=torch.long, device=dev)]
+        logits = self.packed.lm_head(hidden) if self.packed is not None else self.model.lm_head(hidden)  # (R, V)
         logits = logits.float()
         return StepLogits(logits, sample_rows, prompt_rows)
 
