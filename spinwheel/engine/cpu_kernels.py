@@ -1,20 +1,25 @@
-"""Fused CPU kernels of the engine, in C: paged decode attention and the feature-major element-wise ops.
+"""Fused CPU kernels of the engine, in C: paged decode attention and the element-wise ops of the CPU forward.
 
 **Paged decode attention.** The plain-PyTorch decode path (:func:`spinwheel.engine.attention.paged_attention`)
 gathers (copies) every sequence's cached blocks before ``scaled_dot_product_attention`` can read them, and SDPA's
 CPU kernel spends most of its time on small-GEMM overhead for a one-token query. Decode attention is memory-bound,
 so this kernel (written for this project after the fused kernels of the PagedAttention paper, Kwon et al., SOSP
-2023) reads each cached K and V row exactly once, straight from the paged cache, for all query heads of a sequence
-together (grouped-query attention without repeating K/V), with an exact two-pass softmax. Sequences are split over
-``torch.get_num_threads()`` threads by total context length; with OpenMP the shares run in torch's own thread pool
-(the kernel library resolves to the ``libgomp`` torch has loaded) — a second pool of threads would compete with
-torch's spin-waiting workers, which in a measurement erased most of the gain.
+2023) reads each cached K and V row exactly once, straight from the paged cache and in memory order, for all query
+heads of a sequence together (grouped-query attention without repeating K/V), with an exact two-pass softmax. For
+head dims that are a multiple of 16 it works on 16-float vectors (GCC/Clang vector extensions, so AVX-512, AVX2 or
+SSE code as the target allows): query-key products of 16 keys are reduced together with shuffles instead of one
+horizontal sum each, the softmax uses a vectorised exp (Cephes' range reduction and polynomial), and while a chunk
+of 16 keys is processed the next chunk's rows are prefetched into L2 (blocks are scattered in the pool, and the
+hardware prefetchers stop at every block). Sequences are split over ``torch.get_num_threads()`` threads by total
+context length; with OpenMP the shares run in torch's own thread pool (the kernel library resolves to the
+``libgomp`` torch has loaded) — a second pool of threads would compete with torch's spin-waiting workers, which in
+a measurement erased most of the gain.
 
-**Feature-major element-wise ops** for :mod:`spinwheel.engine.cpu_forward`, whose activations are (features,
-tokens): RMSNorm over the columns, and one pass that applies RoPE to the projected q and k, turns q/k/v to
-(tokens, heads, head_dim) rows and writes k and v into their paged-cache slots. Each replaces 6-15 small PyTorch ops
-per layer. They follow the model's arithmetic (fp32, gain after normalisation, ``x1 cos - x2 sin`` without fused
-multiply-adds); only summation order differs, at float rounding level.
+**Element-wise ops** for :mod:`spinwheel.engine.cpu_forward`: RMSNorm of rows; one pass that applies RoPE to the
+fused q/k/v projection's rows, lays q/k/v out as (tokens, heads, head_dim) and writes k and v into their
+paged-cache slots; and silu(gate) * up. Each replaces 3-15 small PyTorch ops per layer. They follow the model's
+arithmetic (fp32, gain after normalisation, ``x1 cos - x2 sin`` without fused multiply-adds); summation order and
+the exp approximation differ at float rounding level.
 
 The C source is compiled with the system C compiler on first use (about a second) into a private per-user temporary
 directory, one library per hash of source, compiler and flags, and loaded with :mod:`ctypes`. Without a compiler,

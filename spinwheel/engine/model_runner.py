@@ -2,8 +2,10 @@
 
 All scheduled tokens — decodes and prefill chunks mixed — are flattened into one ``(1, N)`` batch: embeddings,
 projections, MLPs and norms run on the flat batch; only attention splits per sequence, through block tables and
-context lengths (:mod:`spinwheel.engine.attention`). The runner also owns the KV-cache tensors (device pool and
-CPU swap pool) and performs the block copies the block manager asks for.
+context lengths (:mod:`spinwheel.engine.attention`). On a CPU in fp32 the step runs the engine's own forward over
+oneDNN-packed weights and fused kernels (:mod:`spinwheel.engine.cpu_forward`); elsewhere the model's forward with
+the paged attention kernel installed in its layers. The runner also owns the KV-cache tensors (device pool and CPU
+swap pool) and performs the block copies the block manager asks for.
 """
 
 from __future__ import annotations
