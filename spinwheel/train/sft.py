@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -369,7 +370,8 @@ def run_sft(config: SFTConfig, make_learner: Callable[[SFTConfig, Transformer], 
     model.train()
     losses: list[float] = []
     bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step,
-               disable=not (config.progress and learner.is_main), desc="sft", dynamic_ncols=True, mininterval=1.0)
+               disable=not (config.progress and learner.is_main), desc="sft", dynamic_ncols=True,
+               mininterval=1.0 if sys.stderr.isatty() else 10.0)  # logs (not a terminal) get a line per 10 s
     t0, tokens = time.perf_counter(), 0.0
     step = start_step
     try:
@@ -384,7 +386,7 @@ def run_sft(config: SFTConfig, make_learner: Callable[[SFTConfig, Transformer], 
             record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
                       "completion_tokens_per_s": tokens / (time.perf_counter() - t0)}
             log(record)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{lr:.2e}")
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{lr:.2e}", refresh=False)  # drawn at mininterval
             done = step + 1
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 if (ev := run_eval(done)) is not None:
