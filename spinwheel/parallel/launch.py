@@ -59,12 +59,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue, timeout_s: float, threads: int) -> None:
+def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue, timeout_s: float, threads: int,
+            backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     try:
-        init_distributed("gloo", timeout_s=timeout_s)
+        init_distributed(backend, timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report every failure to the parent, which raises it
@@ -76,8 +77,10 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue, timeo
             pass
 
 
-def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0, threads: int = 1) -> list[object]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; returns the results by rank.
+def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0, threads: int = 1,
+          backend: str = "gloo") -> list[object]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes (gloo, or ``backend="nccl"`` with rank
+    r on GPU r); returns the results by rank.
 
     ``fn`` must be importable (module level). A rank that raises makes this raise with its traceback; a run longer
     than ``timeout_s`` is killed and raises :class:`TimeoutError` — nothing hangs.
@@ -85,7 +88,7 @@ def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0, threa
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout_s, threads),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout_s, threads, backend),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
