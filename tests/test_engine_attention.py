@@ -68,9 +68,13 @@ def test_paged_attention_matches_dense_on_mixed_batch(fused):
     torch.testing.assert_close(k_cache.view(-1, g, d)[slot_mapping], k)
 
 
-@pytest.mark.parametrize("h, g, d, bs", [(8, 4, 64, 16), (6, 6, 16, 4), (12, 2, 32, 8)])
-def test_fused_decode_kernel_matches_dense(h, g, d, bs):
-    """The C kernel alone, over many sequences (several threads' shares), MHA and GQA, long and 1-token contexts."""
+@pytest.mark.parametrize("h, g, d, bs, scale", [(8, 4, 64, 16, 1.0), (6, 6, 16, 4, 1.0), (12, 2, 32, 8, 1.0),
+                                                (4, 2, 128, 16, 1.0), (4, 1, 48, 8, 1.0), (4, 2, 24, 4, 1.0),
+                                                (8, 4, 64, 16, 25.0)])
+def test_fused_decode_kernel_matches_dense(h, g, d, bs, scale):
+    """The C kernel alone, over many sequences (several threads' shares), MHA and GQA, long and 1-token contexts;
+    head dims 64 and 128 (specialised vector code), 16/32/48 (vector code) and 24 (scalar code); ``scale`` makes
+    the scores spread over a range where most softmax terms underflow."""
     _require_kernel()
     torch.manual_seed(1)
     lens = [1, 2, bs, bs + 1, 3 * bs - 1, 37, 200, 5, 64, 129]
@@ -80,7 +84,7 @@ def test_fused_decode_kernel_matches_dense(h, g, d, bs):
     max_blocks = max(-(-n // bs) for n in lens)
     tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-    q = torch.randn(len(lens), h, d)
+    q = torch.randn(len(lens), h, d) * scale
     out = torch.full_like(q, float("nan"))
     for threads in (1, 2, 3):
         prev = torch.get_num_threads()
