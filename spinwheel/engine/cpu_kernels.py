@@ -17,9 +17,10 @@ a measurement erased most of the gain.
 
 **Element-wise ops** for :mod:`spinwheel.engine.cpu_forward`: RMSNorm of rows; one pass that applies RoPE to the
 fused q/k/v projection's rows, lays q/k/v out as (tokens, heads, head_dim) and writes k and v into their
-paged-cache slots; and silu(gate) * up. Each replaces 3-15 small PyTorch ops per layer. They follow the model's
-arithmetic (fp32, gain after normalisation, ``x1 cos - x2 sin`` without fused multiply-adds); summation order and
-the exp approximation differ at float rounding level.
+paged-cache slots; and silu(gate) * up. Each replaces 3-15 small PyTorch ops per layer; rows are shared among
+torch's OpenMP threads when there are many (prefill). They follow the model's arithmetic (fp32, gain after
+normalisation, rotate-half RoPE); summation order, fused multiply-adds and the exp approximation differ at float
+rounding level.
 
 The C source is compiled with the system C compiler on first use (about a second) into a private per-user temporary
 directory, one library per hash of source, compiler and flags, and loaded with :mod:`ctypes`. Without a compiler,
@@ -300,6 +301,7 @@ void paged_decode_attention(const float *q, const float *kc, const float *vc, co
 
 /* RMSNorm of the rows of x (N, C): out[n, c] = w[c] * (x[n, c] / sqrt(mean_c x[n, c]^2 + eps)) */
 void rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t C, float eps) {
+    #pragma omp parallel for if (N >= 64) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *xn = x + n * C; float *on = out + n * C;
         float ss = 0.f;
@@ -312,6 +314,7 @@ void rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t C, 
 /* SwiGLU's element-wise half: gu (N, 2I) holds gate | up per row -> out (N, I) = silu(gate) * up, with
    silu(x) = x * sigmoid(x) and sigmoid from exp(-|x|) (never overflows) */
 void silu_mul(const float *gu, float *out, int64_t N, int64_t I) {
+    #pragma omp parallel for if (N >= 16) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *g = gu + n * 2 * I, *u = g + I; float *o = out + n * I;
         int64_t i = 0;
@@ -327,25 +330,12 @@ void silu_mul(const float *gu, float *out, int64_t N, int64_t I) {
     }
 }
 
-/* RoPE rounds as the model's PyTorch ops do: no contraction of x1 * c - x2 * s into a fused multiply-add */
-#if defined(__clang__)
-#define NO_FMA_BEGIN _Pragma("clang fp contract(off)")
-#define NO_FMA_ATTR
-#elif defined(__GNUC__)
-#define NO_FMA_BEGIN
-#define NO_FMA_ATTR __attribute__((optimize("fp-contract=off")))
-#else
-#define NO_FMA_BEGIN
-#define NO_FMA_ATTR
-#endif
-
 /* Rotate-half RoPE over the `heads` heads starting at column c0 of the rows of x (N, row stride sx):
    out (N, heads, D); cos/sin (N, D/2). With a cache, row n is also written to cache slot slots[n]. */
-NO_FMA_ATTR static void rope_heads(const float *x, int64_t sx, int64_t c0, const float *cos_, const float *sin_,
-                                   float *out, float *cache, const int64_t *slots, int64_t N, int64_t heads,
-                                   int64_t D, int rotate) {
-    NO_FMA_BEGIN
+static void rope_heads(const float *x, int64_t sx, int64_t c0, const float *cos_, const float *sin_, float *out,
+                       float *cache, const int64_t *slots, int64_t N, int64_t heads, int64_t D, int rotate) {
     const int64_t half = D / 2, W = heads * D;
+    #pragma omp parallel for if (N >= 64) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *xn = x + n * sx + c0, *c = cos_ + n * half, *s = sin_ + n * half;
         float *o = out + n * W;
