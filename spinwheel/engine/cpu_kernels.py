@@ -300,66 +300,82 @@ void paged_decode_attention(const float *q, const float *kc, const float *vc, co
 }
 
 /* RMSNorm of the rows of x (N, C): out[n, c] = w[c] * (x[n, c] / sqrt(mean_c x[n, c]^2 + eps)) */
-void rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t C, float eps) {
-    #pragma omp parallel for if (N >= 64) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *xn = x + n * C; float *on = out + n * C;
-        float ss = 0.f;
-        for (int64_t c = 0; c < C; c++) ss += xn[c] * xn[c];
-        const float inv = 1.f / sqrtf(ss / (float)C + eps);
-        for (int64_t c = 0; c < C; c++) on[c] = w[c] * (xn[c] * inv);
+void rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t C, float eps, int64_t threads) {
+    const unsigned int csr = GET_CSR();
+    #pragma omp parallel if (N >= 64) num_threads(threads)
+    {
+        SET_CSR(csr);  /* the caller's denormal flushing, in every thread */
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const float *xn = x + n * C; float *on = out + n * C;
+            float ss = 0.f;
+            for (int64_t c = 0; c < C; c++) ss += xn[c] * xn[c];
+            const float inv = 1.f / sqrtf(ss / (float)C + eps);
+            for (int64_t c = 0; c < C; c++) on[c] = w[c] * (xn[c] * inv);
+        }
     }
 }
 
 /* SwiGLU's element-wise half: gu (N, 2I) holds gate | up per row -> out (N, I) = silu(gate) * up, with
    silu(x) = x * sigmoid(x) and sigmoid from exp(-|x|) (never overflows) */
-void silu_mul(const float *gu, float *out, int64_t N, int64_t I) {
-    #pragma omp parallel for if (N >= 16) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *g = gu + n * 2 * I, *u = g + I; float *o = out + n * I;
-        int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-            const v16 x = vld(g + i);
-            const v16i neg = (v16i)(x < vsplat(0.f));
-            const v16 mabs = (v16)(((v16i)x) | (v16i)vsplat(-0.f));  /* -|x| */
-            const v16 e = vexp_nonpos(mabs), inv = vsplat(1.f) / (vsplat(1.f) + e);
-            const v16 sig = (v16)((neg & (v16i)(e * inv)) | (~neg & (v16i)inv));
-            vst(o + i, x * sig * vld(u + i));
+void silu_mul(const float *gu, float *out, int64_t N, int64_t I, int64_t threads) {
+    const unsigned int csr = GET_CSR();
+    #pragma omp parallel if (N >= 16) num_threads(threads)
+    {
+        SET_CSR(csr);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const float *g = gu + n * 2 * I, *u = g + I; float *o = out + n * I;
+            int64_t i = 0;
+            for (; i + 16 <= I; i += 16) {
+                const v16 x = vld(g + i);
+                const v16i neg = (v16i)(x < vsplat(0.f));
+                const v16 e = vexp_nonpos((v16)(((v16i)x) | (v16i)vsplat(-0.f)));  /* exp(-|x|) */
+                const v16 inv = vsplat(1.f) / (vsplat(1.f) + e);
+                const v16 sig = (v16)((neg & (v16i)(e * inv)) | (~neg & (v16i)inv));
+                vst(o + i, x * sig * vld(u + i));
+            }
+            for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         }
-        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }
 
 /* Rotate-half RoPE over the `heads` heads starting at column c0 of the rows of x (N, row stride sx):
    out (N, heads, D); cos/sin (N, D/2). With a cache, row n is also written to cache slot slots[n]. */
 static void rope_heads(const float *x, int64_t sx, int64_t c0, const float *cos_, const float *sin_, float *out,
-                       float *cache, const int64_t *slots, int64_t N, int64_t heads, int64_t D, int rotate) {
+                       float *cache, const int64_t *slots, int64_t N, int64_t heads, int64_t D, int rotate,
+                       int64_t threads) {
     const int64_t half = D / 2, W = heads * D;
-    #pragma omp parallel for if (N >= 64) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *xn = x + n * sx + c0, *c = cos_ + n * half, *s = sin_ + n * half;
-        float *o = out + n * W;
-        if (!rotate) memcpy(o, xn, sizeof(float) * W);
-        else for (int64_t h = 0; h < heads; h++) {
-            const float *x1 = xn + h * D, *x2 = x1 + half;
-            float *o1 = o + h * D, *o2 = o1 + half;
-            for (int64_t i = 0; i < half; i++) {
-                o1[i] = x1[i] * c[i] - x2[i] * s[i];
-                o2[i] = x2[i] * c[i] + x1[i] * s[i];
+    const unsigned int csr = GET_CSR();
+    #pragma omp parallel if (N >= 64) num_threads(threads)
+    {
+        SET_CSR(csr);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const float *xn = x + n * sx + c0, *c = cos_ + n * half, *s = sin_ + n * half;
+            float *o = out + n * W;
+            if (!rotate) memcpy(o, xn, sizeof(float) * W);
+            else for (int64_t h = 0; h < heads; h++) {
+                const float *x1 = xn + h * D, *x2 = x1 + half;
+                float *o1 = o + h * D, *o2 = o1 + half;
+                for (int64_t i = 0; i < half; i++) {
+                    o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                    o2[i] = x2[i] * c[i] + x1[i] * s[i];
+                }
             }
+            if (cache) memcpy(cache + slots[n] * W, o, sizeof(float) * W);
         }
-        if (cache) memcpy(cache + slots[n] * W, o, sizeof(float) * W);
     }
 }
 
 /* qkv (N, (H + 2G) * D): the fused projection's rows -> q (N, H, D) and k (N, G, D) with RoPE, v (N, G, D);
    with caches, k and v are also written to their slots */
 void rope_qkv(const float *qkv, const float *cos_, const float *sin_, float *q, float *k, float *v, float *kc,
-              float *vc, const int64_t *slots, int64_t N, int64_t H, int64_t G, int64_t D) {
+              float *vc, const int64_t *slots, int64_t N, int64_t H, int64_t G, int64_t D, int64_t threads) {
     const int64_t sx = (H + 2 * G) * D;
-    rope_heads(qkv, sx, 0, cos_, sin_, q, NULL, NULL, N, H, D, 1);
-    rope_heads(qkv, sx, H * D, cos_, sin_, k, kc, slots, N, G, D, 1);
-    rope_heads(qkv, sx, (H + G) * D, cos_, sin_, v, vc, slots, N, G, D, 0);
+    rope_heads(qkv, sx, 0, cos_, sin_, q, NULL, NULL, N, H, D, 1, threads);
+    rope_heads(qkv, sx, H * D, cos_, sin_, k, kc, slots, N, G, D, 1, threads);
+    rope_heads(qkv, sx, (H + G) * D, cos_, sin_, v, vc, slots, N, G, D, 0, threads);
 }
 """
 
@@ -405,9 +421,9 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
         "paged_decode_attention": [ptr] * 6 + [i64] * 6 + [f32, i64],
-        "rms_norm": [ptr] * 3 + [i64] * 2 + [f32],
-        "silu_mul": [ptr] * 2 + [i64] * 2,
-        "rope_qkv": [ptr] * 9 + [i64] * 4,
+        "rms_norm": [ptr] * 3 + [i64] * 2 + [f32, i64],
+        "silu_mul": [ptr] * 2 + [i64] * 3,
+        "rope_qkv": [ptr] * 9 + [i64] * 5,
     }
     fns = {}
     for name, argtypes in signatures.items():
@@ -506,7 +522,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != (c,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({c},)")
     out = torch.empty_like(x)
-    _require().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, c, eps)
+    _require().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, c, eps, torch.get_num_threads())
     return out
 
 
@@ -517,7 +533,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if two_i % 2:
         raise ValueError(f"silu_mul: odd width {two_i}")
     out = gate_up.new_empty(n, two_i // 2)
-    _require().silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2)
+    _require().silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2, torch.get_num_threads())
     return out
 
 
@@ -541,5 +557,5 @@ def rope_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Te
             raise ValueError("rope_qkv: cache or slot_mapping does not match")
         kc, vc, slots = k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr()
     _require().rope_qkv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                        kc, vc, slots, n, h, g, d)
+                        kc, vc, slots, n, h, g, d, torch.get_num_threads())
     return q, k, v
