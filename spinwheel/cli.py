@@ -11,8 +11,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spinwheel.config import add_arguments, from_args, option
+
+if TYPE_CHECKING:
+    from spinwheel.engine import EngineConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.sft import SFTConfig
 
@@ -37,11 +41,14 @@ class GenerateConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
 
 
-def run_generate(config: GenerateConfig) -> list[str]:
-    """Complete the prompts with the serving engine (paged KV cache, continuous batching)."""
-    from spinwheel.engine import LLM, SamplingParams
+def run_generate(config: GenerateConfig, engine: EngineConfig | None = None) -> list[str]:
+    """Complete the prompts with the serving engine (paged KV cache, continuous batching); ``engine``: its options
+    (``--engine-*``; ``--device`` / ``--dtype`` of the command win over the engine's)."""
+    from spinwheel.engine import LLM, EngineConfig, SamplingParams
 
-    llm = LLM(config.model, dtype=config.dtype, device=config.device)
+    options = dataclasses.asdict(engine or EngineConfig())
+    options.update(dtype=config.dtype, device=config.device)
+    llm = LLM(config.model, **options)
     tokenizer = llm.tokenizer
     assert tokenizer is not None
     if config.chat:
@@ -114,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sft_parser(sub, "demo", "the main job: SFT of the built-in tiny model on arithmetic, before/after accuracy",
                 demo_config())
     _sft_parser(sub, "sft", "supervised fine-tuning (built-in arithmetic task or --data JSONL)", SFTConfig())
+    from spinwheel.engine import EngineConfig
+
     p = sub.add_parser("generate", help="complete prompts with a checkpoint")
     add_arguments(p, GenerateConfig)
-    from spinwheel.engine import EngineConfig
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device"})
     from spinwheel.server.serve import ServeConfig
 
     from spinwheel.rl.classic import ClassicConfig
@@ -144,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             if "eval_after" in result:
                 print(f"held-out exact match: {result['eval_after']['exact_match']:.1%}")
         elif ns.command == "generate":
-            run_generate(from_args(GenerateConfig, ns))
+            from spinwheel.engine import EngineConfig
+
+            run_generate(from_args(GenerateConfig, ns), from_args(EngineConfig, ns, prefix="engine-"))
         elif ns.command == "classic":
             from spinwheel.rl.classic import ClassicConfig, train
 

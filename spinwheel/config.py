@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -33,12 +34,13 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """Add one option per field of dataclass ``cls`` to ``parser``."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Collection[str] = ()) -> None:
+    """Add one option per field of dataclass ``cls`` to ``parser`` (except the fields named in ``skip``, which
+    :func:`from_args` then leaves at their defaults)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().split("\n")[0])
     for f in dataclasses.fields(cls):
-        if not f.init or f.metadata.get("cli") is False:
+        if not f.init or f.metadata.get("cli") is False or f.name in skip:
             continue
         tp, optional = _base_type(hints[f.name])
         name = "--" + prefix + f.name.replace("_", "-")

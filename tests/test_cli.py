@@ -65,6 +65,13 @@ def test_sft_then_generate_end_to_end(tmp_path, capsys):
                  "--max-tokens", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("1+2=") and lines[1].startswith("3+4=")
+    # engine options reach the engine: tiny blocks, the model's own forward, no prefix cache -> the same text
+    assert main(["generate", "--model", str(out / "checkpoint"), "--prompt", "1+2=", "3+4=", "--max-tokens", "3",
+                 "--engine-block-size", "2", "--no-engine-cpu-packed-weights",
+                 "--no-engine-enable-prefix-caching"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == lines
+    assert main(["generate", "--model", str(out / "checkpoint"), "--engine-block-size", "0"]) == 2
+    assert "block_size" in _error_line(capsys)
 
 
 def test_parser_defaults_build_valid_configs():
