@@ -1,9 +1,9 @@
 """The engine's forward on CPU: oneDNN-packed projection weights and fused element-wise kernels.
 
-``nn.Linear`` on a CPU runs MKL's sgemm, which repacks the weight operand on every call. For the few-row GEMMs of
-decode steps (M = the batch, against weights that stream from DRAM every step) that repacking dominates. oneDNN, which
-PyTorch ships, can reorder a weight once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and
-then run ``_linear_pointwise`` on it. Measured on this project's benchmark machine (2 threads, the 28M-parameter
+``nn.Linear`` on a CPU runs MKL's sgemm, which packs the weight operand anew on every call; for the few-row GEMMs
+of decode steps (M = the batch, against weights that stream from DRAM every step) that is a large share of the work.
+oneDNN, which PyTorch ships, can reorder a weight once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) and then run ``_linear_pointwise`` on it. Measured on this project's benchmark machine (2 threads, the 28M-parameter
 benchmark model's 57 projections in sequence, weights cold): M = 8 rows 5.0 ms against 11-14 ms, M = 48 14.6-15.7 ms
 against 18-28 ms, M = 64 17.4-18.0 against 22-34 ms, and M = 2048 (a prefill step) 450-480 ms against 520-560 ms.
 
@@ -36,7 +36,8 @@ from spinwheel.models.transformer import RMSNorm, Transformer
 
 logger = logging.getLogger(__name__)
 
-_BATCH_HINT = 64  # rows the packed layout is tuned for (measured: 64 and 2048 both serve 1-2048 rows well)
+# rows the packed layout is tuned for; on the serving benchmark 64 ran faster than 2048 (6.7-6.9 s against 6.9-7.3 s)
+_BATCH_HINT = 64
 
 
 @functools.cache
