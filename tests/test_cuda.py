@@ -19,23 +19,12 @@ from spinwheel.models.transformer import SDPAAttention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-VOCAB, EOS = 96, 2
+from test_engine_hf import EOS, VOCAB, checkpoint  # noqa: E402,F401  (the same tiny HF Llama checkpoint)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    path = tmp_path_factory.mktemp("tiny-llama-cuda")
-    hf.save_pretrained(path)
-    return path, hf
+def _hf(path, dtype=torch.float32):
+    """A fresh HF model from the checkpoint on the GPU (the fixture's CPU copy is never moved or cast)."""
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
 
 
 def _prompts():
@@ -45,14 +34,12 @@ def _prompts():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
 def test_model_logits_match_hf_on_cuda(checkpoint, dtype, tol):
-    path, hf = checkpoint
-    ref_model = hf.to("cuda", dtype)
+    path, _ = checkpoint
     ours = load_model(path, dtype=dtype, device="cuda")
     ids = torch.randint(3, VOCAB, (3, 40), device="cuda")
     with torch.no_grad():
-        want = ref_model(ids).logits.float()
+        want = _hf(path, dtype)(ids).logits.float()
         got = ours(ids).float()
-    hf.to("cpu", torch.float32)
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= tol * max(scale, 1.0)
 
@@ -104,11 +91,11 @@ def _hf_greedy(hf, prompt, max_new=16):
 @pytest.mark.parametrize("config", [dict(), dict(block_size=4, num_kv_blocks=24, preemption_mode="swap",
                                                  num_cpu_blocks=64)], ids=["default", "swap"])
 def test_engine_greedy_matches_hf_on_cuda(checkpoint, config):
-    path, hf = checkpoint
+    path, _ = checkpoint
     prompts = _prompts()
+    hf = _hf(path)
     with torch.no_grad():
-        want = [_hf_greedy(hf.to("cuda"), p) for p in prompts]
-    hf.to("cpu")
+        want = [_hf_greedy(hf, p) for p in prompts]
     llm = LLM(str(path), device="cuda", dtype="float32", **config)
     assert llm.engine.runner.packed is None and not llm.engine.runner.fused_decode  # CPU-only paths are off
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
@@ -116,14 +103,12 @@ def test_engine_greedy_matches_hf_on_cuda(checkpoint, config):
 
 
 def test_engine_bf16_prompt_logprobs_match_hf_on_cuda(checkpoint):
-    path, hf = checkpoint
+    path, _ = checkpoint
     prompt = _prompts()[-1]
     llm = LLM(str(path), device="cuda", dtype="bfloat16")
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
-    ref = hf.to("cuda", torch.bfloat16)
     with torch.no_grad():
-        lp = F.log_softmax(ref(torch.tensor([prompt], device="cuda")).logits.float()[0], dim=-1)
-    hf.to("cpu", torch.float32)
+        lp = F.log_softmax(_hf(path, torch.bfloat16)(torch.tensor([prompt], device="cuda")).logits.float()[0], dim=-1)
     for pos in range(1, len(prompt)):
         got = out.prompt_logprobs[pos][prompt[pos]]
         assert abs(got - lp[pos - 1, prompt[pos]].item()) < 0.1, pos
