@@ -19,6 +19,13 @@ def _require_kernels() -> None:
     assert cpu_kernels.load_kernels() is not None, "a C compiler exists but the CPU kernels did not build"
 
 
+def _require_onednn() -> None:
+    """Skip only on PyTorch builds without oneDNN; with oneDNN, a packed linear that fails its probe is a failure."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    assert cpu_forward.onednn_linear_available(), "oneDNN is built in but its packed linear failed the probe"
+
+
 def test_rms_norm_kernel_matches_module():
     _require_kernels()
     torch.manual_seed(0)
@@ -103,8 +110,7 @@ def _run(llm, prompts):
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch-ops"])
 def test_packed_forward_matches_model_forward(name, kernels, monkeypatch):
-    if not cpu_forward.onednn_linear_available():
-        pytest.skip("this PyTorch build has no oneDNN packed linear")
+    _require_onednn()
     if kernels:
         _require_kernels()
     else:
@@ -126,8 +132,7 @@ def test_packed_forward_matches_model_forward(name, kernels, monkeypatch):
 
 def test_packed_weights_follow_in_place_updates():
     """A trainer sharing the model changes parameters in place: the next step repacks (version counters)."""
-    if not cpu_forward.onednn_linear_available():
-        pytest.skip("this PyTorch build has no oneDNN packed linear")
+    _require_onednn()
     m = _model()
     llm = LLM(m, block_size=4, enable_prefix_caching=False)
     prompt = list(range(10, 30))

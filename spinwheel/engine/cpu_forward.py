@@ -32,7 +32,7 @@ from torch import nn
 
 from spinwheel.engine import cpu_kernels
 from spinwheel.engine.attention import PagedAttentionMetadata, paged_attention, write_kv
-from spinwheel.models.transformer import RMSNorm, Transformer
+from spinwheel.models.transformer import RMSNorm, Transformer, apply_rope
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +150,6 @@ def _rms_norm(x: torch.Tensor, norm: RMSNorm, fused: bool) -> torch.Tensor:
     return norm(x)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x (N, heads, D) (any strides) with cos/sin (N, D/2) -> contiguous (N, heads, D)."""
-    half = x.shape[-1] // 2
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def hidden_states(model: Transformer, packed: PackedWeights, input_ids: torch.Tensor, positions: torch.Tensor,
                   meta: PagedAttentionMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                   fused: bool) -> torch.Tensor:
@@ -180,7 +172,8 @@ def hidden_states(model: Transformer, packed: PackedWeights, input_ids: torch.Te
             q, k, v = (t.view(n, -1, d) for t in qkv.split([h_dim, g_dim, g_dim], dim=1))
             if att.q_norm is not None and att.k_norm is not None:
                 q, k = att.q_norm(q), att.k_norm(k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            full_cos, full_sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # the model's layout
+            q, k = apply_rope(q, full_cos, full_sin), apply_rope(k, full_cos, full_sin)
             write_kv(k_caches[i], v_caches[i], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_caches[i], v_caches[i], meta, kv_written=True)  # (N, H, D)
         x = o_p.add_to(out.view(n, -1), x)
