@@ -18,7 +18,7 @@ from spinwheel.config import add_arguments, from_args, option
 if TYPE_CHECKING:
     from spinwheel.engine import EngineConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
-from spinwheel.train.sft import SFTConfig
+from spinwheel.train.sft_config import SFTConfig
 
 
 @dataclass

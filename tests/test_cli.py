@@ -7,7 +7,7 @@ import pytest
 
 from spinwheel.cli import GenerateConfig, build_parser, main
 from spinwheel.tasks.arithmetic import ArithmeticConfig
-from spinwheel.train.sft import SFTConfig
+from spinwheel.train.sft_config import SFTConfig
 
 
 @pytest.mark.parametrize("command,configs", [("sft", [(SFTConfig, ""), (ArithmeticConfig, "task-")]),

@@ -8,7 +8,7 @@ import torch
 import transformers  # the reference implementation (a test dependency)
 
 import spinwheel
-from spinwheel.models import CheckpointError, ConfigError, ModelConfig, Transformer, token_logprobs
+from spinwheel.models import CheckpointError, ConfigError, ModelConfig, Transformer, save_pretrained, token_logprobs
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 16}
@@ -62,7 +62,7 @@ def test_logits_match_transformers(case, tmp_path):
     torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
 
     # spinwheel-saved checkpoint loads back in transformers with the same logits.
-    ours.save_pretrained(str(tmp_path / "ours"))
+    save_pretrained(ours, tmp_path / "ours")
     back = type(hf).from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
@@ -104,7 +104,7 @@ def test_token_logprobs_matches_log_softmax():
 
 def test_sharded_checkpoint_round_trip(tmp_path):
     model = spinwheel.load_model("test", vocab_size=50, seed=3)
-    model.save_pretrained(str(tmp_path), shard_size_bytes=20_000)
+    save_pretrained(model, tmp_path, shard_size_bytes=20_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     back = spinwheel.load_model(tmp_path)
@@ -139,7 +139,7 @@ def test_num_params_matches_module_for_all_variants():
 
 def _saved(tmp_path):
     model = spinwheel.load_model("test", vocab_size=50)
-    model.save_pretrained(str(tmp_path))
+    save_pretrained(model, tmp_path)
     return tmp_path
 
 

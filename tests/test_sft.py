@@ -11,8 +11,9 @@ from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.tasks.data import SAMPLES_DIR
 from spinwheel.train.metrics import read_metrics
 from spinwheel.train.optim import lr_at
-from spinwheel.train.sft import (SFTConfig, SFTExample, batch_indices, build_data, collate, completion_loss,
-                                 train_sft)
+from spinwheel.train.sft import train_sft
+from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft_data import SFTExample, batch_indices, build_data, collate, completion_loss
 
 
 def test_completion_loss_matches_hand_written_formula():
@@ -117,14 +118,14 @@ def test_training_reduces_loss_on_jsonl_chat_data(tmp_path):
 def test_engine_evaluation_equals_plain_generate(tmp_path):
     """The demo's evaluation runs on the serving engine; it must score exactly like the plain reference loop."""
     from spinwheel.models.hf import load_model
-    from spinwheel.train.sft import engine_generate, evaluate, plain_generate
+    from spinwheel.train.evaluation import engine_generate, heldout_eval, plain_generate
 
     cfg = _config(tmp_path, steps=30, eval_every=0, lr=1e-2, eval_examples=10)
     train_sft(cfg)
     model = load_model(tmp_path / "checkpoint")
     tok = Tokenizer.char_level()
     data = build_data(cfg, tok)
-    ref = evaluate(plain_generate(model, tok), data, 10, 4)
-    ours = evaluate(engine_generate(model, tok, 64), data, 10, 4)
+    ref = heldout_eval(plain_generate(model, tok), data, 10, 4)
+    ours = heldout_eval(engine_generate(model, tok, 64), data, 10, 4)
     assert ours == ref
     assert any(c for _, c, _ in ref["samples"])  # non-empty completions were compared

@@ -276,12 +276,6 @@ class Transformer(nn.Module):
             return x
         return self.lm_head(x)  # (B, T, V)
 
-    def save_pretrained(self, path: str, shard_size_bytes: int | None = None) -> None:
-        """Write ``config.json`` and ``*.safetensors`` in Hugging Face's format (see :mod:`spinwheel.models.hf`)."""
-        from spinwheel.models.hf import save_pretrained
-
-        save_pretrained(self, path, shard_size_bytes=shard_size_bytes)
-
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of ``targets`` under ``logits``: logits (..., V), targets (...) -> (...), in fp32.

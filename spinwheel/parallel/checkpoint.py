@@ -91,6 +91,7 @@ def full_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
 
 def save_hf(pm: ParallelModel, path: str | os.PathLike) -> None:
     """Consolidate the parallel model into a full HF checkpoint at ``path`` (collective; rank 0 writes)."""
+    from spinwheel.models.hf import save_pretrained
     from spinwheel.models.transformer import Transformer
 
     state = full_state_dict(pm)
@@ -101,5 +102,5 @@ def save_hf(pm: ParallelModel, path: str | os.PathLike) -> None:
         if missing or unexpected:
             raise RuntimeError(f"consolidated state does not match the model: missing {missing}, "
                                f"unexpected {unexpected}")
-        model.save_pretrained(str(path))
+        save_pretrained(model, path)
     _barrier(pm)

@@ -9,8 +9,6 @@ Accelerating Data Parallel Training").
 * At the end of backward (an autograd-engine callback) all buckets are waited on, averaged and each ``param.grad``
   becomes a view into its bucket (gradient-as-bucket-view: no second copy of the gradients is kept).
 * :meth:`no_sync` skips communication so gradients accumulate locally over micro-batches.
-
-:class:`NaiveDataParallel` is the unbucketed reference: one blocking all-reduce per parameter after backward.
 """
 
 from __future__ import annotations
@@ -178,21 +176,3 @@ class DistributedDataParallel(nn.Module):
     def memory_tensors(self):
         """(parameters, gradients, extra optimizer tensors) for memory accounting; gradients live in the buckets."""
         return unique_params(self.module), [b.buffer for b in self._buckets], []
-
-
-class NaiveDataParallel(nn.Module):
-    """Reference data parallelism: after backward, call :meth:`sync_gradients` (one all-reduce per parameter)."""
-
-    def __init__(self, module: nn.Module, axis: Axis, comm: Comm) -> None:
-        super().__init__()
-        self.module, self.axis, self.comm = module, axis, comm
-        broadcast_module(module, axis, comm)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def sync_gradients(self) -> None:
-        for p in unique_params(self.module):
-            if p.grad is not None:
-                self.comm.all_reduce(p.grad, self.axis)
-                p.grad.div_(self.axis.size)

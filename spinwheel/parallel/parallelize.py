@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from spinwheel.parallel.config import check_data_parallel
 from spinwheel.parallel.ddp import DistributedDataParallel
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
@@ -50,10 +51,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, zero: int = 0, fsdp: bo
     dims.validate_model(model.config)
     comm = dims.comm
     dtype = next(model.parameters()).dtype
-    if zero not in (0, 1, 2, 3):
-        raise ParallelError(f"zero must be 0, 1, 2 or 3, got {zero}")
-    if fsdp and zero:
-        raise ParallelError("choose either --fsdp/--hsdp or --zero (ZeRO-3 is FSDP without prefetch)")
+    check_data_parallel(zero, fsdp)
     if dims.dp_replicate > 1 and not fsdp:
         raise ParallelError("dp_replicate > 1 is hybrid sharding: it needs fsdp (--hsdp F)")
     stage: nn.Module = model

@@ -234,3 +234,26 @@ class PipelineSchedule:
             handle.wait()
         stats.end = time.monotonic()
         return total
+
+    @torch.no_grad()
+    def forward_only(self, microbatches: list[torch.Tensor], out_fn: Callable[[torch.Tensor, int], None],
+                     module: nn.Module | None = None) -> None:
+        """Forward every micro-batch through the stages without autograd (log-probs of old or reference policies):
+        ``out_fn(out, i)`` receives the last stage's output for micro-batch i; nothing is kept for a backward."""
+        run = module or self.stage
+        k, s = self.axis.size, self.axis.rank
+        sends: list[tuple[Handle, torch.Tensor]] = []
+        for i, ids in enumerate(microbatches):
+            if s == 0:
+                x = ids
+            else:
+                x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype)  # (b, T, C)
+                self.comm.recv(x, self.axis, s - 1)
+            out = run(x)
+            if s == k - 1:
+                out_fn(out, i)
+            else:
+                sends.append((self.comm.isend(out, self.axis, s + 1), out))
+        for handle, _ in sends:
+            handle.wait()
+

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from spinwheel.config import option
@@ -153,8 +153,11 @@ def reward(completion: str, answer: str) -> float:
     return 1.0 if found is not None and int(found) == target else 0.0
 
 
-def evaluate(generate: Callable[[list[str]], list[str]], examples: list[Example], batch_size: int = 256) -> EvalResult:
-    """Exact-match accuracy of ``generate`` (prompts -> completions) on ``examples``, in batches of ``batch_size``."""
+def evaluate(generate: Callable[[list[str]], list[str]], examples: Sequence[Example], batch_size: int = 256,
+             score: Callable[[str, str], float] | None = None) -> EvalResult:
+    """Mean ``score`` (default: :func:`reward`, exact match of the answer) of ``generate`` (prompts -> completions)
+    on ``examples`` (anything with ``prompt`` and ``answer``), in batches of ``batch_size``."""
+    score = score or reward
     if not examples:
         raise ValueError("evaluate() needs at least one example")
     if batch_size < 1:
@@ -167,7 +170,7 @@ def evaluate(generate: Callable[[list[str]], list[str]], examples: list[Example]
         if len(completions) != len(batch):
             raise ValueError(f"generate returned {len(completions)} completions for {len(batch)} prompts")
         for ex, completion in zip(batch, completions):
-            num_correct += reward(completion, ex.answer)
+            num_correct += score(completion, ex.answer)
             if len(samples) < 8:
                 samples.append((ex.prompt, completion, ex.answer))
     return EvalResult(exact_match=num_correct / len(examples), num_examples=len(examples), samples=samples)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.models.hf import save_pretrained
 from spinwheel.models.transformer import Transformer
 
 STATE_FILE = "trainer_state.pt"
@@ -46,7 +47,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, tokenizer: Toke
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        model.save_pretrained(str(tmp))
+        save_pretrained(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if trainer_state is not None:

@@ -1,0 +1,219 @@
+"""Learners: what a training loop steps. One protocol, two implementations side by side:
+
+* :class:`LocalLearner` — the model and its AdamW in this process, with the loss computed from plain logits by
+  :func:`~spinwheel.models.transformer.token_logprobs`: the reference every parallel layout is compared against;
+* :class:`ParallelLearner` — the same on :class:`~spinwheel.parallel.trainer.ParallelTrainer` (any layout, one
+  learner per rank) when ``torchrun`` started more than one process.
+
+Both take a batch of the global rows (``input_ids``/``labels`` aligned, per-token tensors; see the trainer's
+docstring) and a pluggable per-token loss, and return the global loss and stats. A learner built with
+``optim=None`` is frozen (a reference model): forward only. ``engine_model`` is the full model an inference engine
+generates with: the training weights themselves where this rank holds them whole (one process; DDP or ZeRO-1/2
+without TP/PP), else a full copy that :meth:`ParallelLearner.sync_engine_model` gathers the weights into.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.models.transformer import Transformer, token_logprobs
+from spinwheel.parallel.config import ParallelConfig
+from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
+from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.parallel.token_outputs import TokenOutputs, is_scalar_head
+from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResult
+from spinwheel.train.checkpoint import rng_state, save_checkpoint, set_rng_state
+from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS, build_adamw, decays, set_lr
+
+SHARDED_DIR = "sharded"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with decoupled weight decay on weight matrices, clipped by the global gradient norm."""
+
+    lr: float
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # 0: measure the norm without clipping
+
+
+class Learner(Protocol):
+    is_main: bool  # logs, evaluates and writes the checkpoint's HF files
+    distributed: bool
+    engine_model: Transformer | None  # the full model generation reads (None where nothing generates)
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float, *, entropy: bool = False) -> StepResult: ...
+    def forward(self, batch: Batch, *, entropy: bool = False) -> dict[str, torch.Tensor]: ...
+    def sync_engine_model(self) -> None: ...
+    def load(self, ckpt_dir: Path, state: dict[str, Any] | None) -> None: ...
+    def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None: ...
+
+
+def local_outputs(model: nn.Module, batch: Batch, entropy: bool) -> TokenOutputs:
+    """The reference per-token outputs: one plain forward, log-softmax over the full vocabulary."""
+    out = model(batch["input_ids"])
+    if is_scalar_head(model.config):
+        return TokenOutputs(values=out[..., 0].float())
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            logp = F.log_softmax(out.float(), dim=-1)
+            ent = -(logp.exp() * logp).sum(-1)
+    return TokenOutputs(logprobs=token_logprobs(out, batch["labels"]), entropy=ent)
+
+
+class LocalLearner:
+    """Single-process training of ``model`` (see the module docstring)."""
+
+    is_main = True
+    distributed = False
+
+    def __init__(self, model: Transformer, optim: OptimConfig | None) -> None:
+        self.model, self.optim = model, optim
+        self.optimizer = build_adamw(model, optim.lr, optim.weight_decay) if optim is not None else None
+        self.engine_model = model  # generation reads the training weights themselves
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float, *, entropy: bool = False) -> StepResult:
+        assert self.optimizer is not None and self.optim is not None, "a frozen learner cannot train"
+        set_lr(self.optimizer, lr)
+        loss, stats = loss_fn(local_outputs(self.model, batch, entropy), batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        return StepResult(float(loss.detach()), {k: float(v) for k, v in stats.items()}, grad_norm)
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, *, entropy: bool = False) -> dict[str, torch.Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = local_outputs(self.model, batch, entropy)
+        finally:
+            self.model.train(was_training)
+        return {k: v for k, v in vars(out).items() if v is not None}
+
+    def sync_engine_model(self) -> None:
+        pass
+
+    def load(self, ckpt_dir: Path, state: dict[str, Any] | None = None) -> None:
+        """Restore optimizer and RNG state from ``trainer_state.pt``'s dict (weights come with the model)."""
+        if self.optimizer is None or state is None:
+            return
+        if "optimizer" not in state:
+            raise ValueError(f"{ckpt_dir} was written by a parallel run: resume it under torchrun with the same "
+                             "layout, or start over with --no-resume")
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+
+    def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None:
+        extra = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else {}
+        save_checkpoint(ckpt_dir, self.model, tokenizer, {**state, **extra, "rng": rng_state()})
+
+
+def _holds_full_weights(trainer: ParallelTrainer) -> bool:
+    return trainer.pm.dp_kind in ("ddp", "zero1", "zero2") and trainer.dims.tp == 1 and trainer.dims.pp == 1
+
+
+class ParallelLearner:
+    """``model`` on the parallel trainer, one per rank (see the module docstring). ``engine_copy``: where a full
+    model for generation is kept — ``"main"`` (rank 0 only: evaluation), ``"all"`` (every rank: RL rollouts) or
+    ``"none"``."""
+
+    distributed = True
+
+    def __init__(self, model: Transformer, optim: OptimConfig | None, parallel: ParallelConfig,
+                 dims: ParallelDims | None = None, *, engine_copy: str = "main") -> None:
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.is_main = self.rank == 0
+        wants = engine_copy == "all" or (engine_copy == "main" and self.is_main)
+        copy_before = copy.deepcopy(model) if wants else None  # before parallelize cuts and shards ``model``
+
+        def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+            # The trainer applies the weight decay (matrices only), as build_adamw's parameter groups do.
+            assert optim is not None
+            return torch.optim.AdamW(params, lr=optim.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0,
+                                     foreach=True)
+
+        clip = None if optim is None else (optim.grad_clip if optim.grad_clip > 0 else math.inf)
+        self.trainer = ParallelTrainer(model, adamw if optim is not None else None, parallel, dims,
+                                       max_grad_norm=clip, weight_decay=optim.weight_decay if optim else 0.0,
+                                       decays=decays)
+        self.shares_weights = wants and _holds_full_weights(self.trainer)
+        self.engine_model = model if self.shares_weights else copy_before  # type: ignore[assignment]
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.trainer.dims
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float, *, entropy: bool = False) -> StepResult:
+        self.trainer.set_lr(lr)
+        return self.trainer.train_step(batch, loss_fn, entropy=entropy)
+
+    def forward(self, batch: Batch, *, entropy: bool = False) -> dict[str, torch.Tensor]:
+        return self.trainer.forward(batch, entropy=entropy)
+
+    def sync_engine_model(self) -> None:
+        """Gather the full weights into the engine copy (collective: every rank calls it)."""
+        if self.shares_weights:
+            return
+        full = self.trainer.full_state_dict()
+        if self.engine_model is not None:
+            self.engine_model.load_state_dict(full)
+
+    def load(self, ckpt_dir: Path, state: dict[str, Any] | None = None) -> None:
+        shards = ckpt_dir / SHARDED_DIR
+        if not shards.is_dir():
+            raise ValueError(f"{ckpt_dir} holds no sharded trainer state (a single-process checkpoint): resume it "
+                             "without torchrun, or start over with --no-resume")
+        self.trainer.load(str(shards))
+        set_rng_state(torch.load(shards / f"rng{self.rank:05d}.pt", map_location="cpu", weights_only=False))
+
+    def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None:
+        """Write the checkpoint (collective): rank 0 the HF files and trainer_state.pt, every rank its shards."""
+        full = self.trainer.full_state_dict()
+        if self.is_main:
+            assert self.engine_model is not None, "rank 0 keeps a full model to write the HF files"
+            if not self.shares_weights:
+                self.engine_model.load_state_dict(full)
+            save_checkpoint(ckpt_dir, self.engine_model, tokenizer, state, extra=self._save_shards)
+        else:
+            self._save_shards(None)
+        dist.barrier()  # the rename is done before any rank reads or writes the directory again
+
+    def _save_shards(self, tmp: Path | None) -> None:
+        where = [str(tmp) if tmp is not None else None]
+        dist.broadcast_object_list(where, src=0)  # rank 0's temporary checkpoint directory
+        shards = Path(where[0]) / SHARDED_DIR
+        shards.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), shards / f"rng{self.rank:05d}.pt")
+        self.trainer.save(str(shards))  # ends in a barrier: every shard is written before rank 0 renames
+
+
+@contextmanager
+def distributed_world(device: str, timeout_s: float) -> Iterator[bool]:
+    """Join the torchrun world when it has more than one process (NCCL for a CUDA device, gloo otherwise) and leave
+    it again at the end (if this call joined it); yields whether the run is distributed."""
+    if launched_world_size() <= 1:
+        yield False
+        return
+    joined = not dist.is_initialized()
+    init_distributed("nccl" if device.startswith("cuda") else "gloo", timeout_s=timeout_s)
+    try:
+        yield True
+        dist.barrier()  # leave together: tearing down groups while a peer still evaluates can abort gloo's threads
+    finally:
+        if joined:
+            destroy_distributed()
