@@ -60,7 +60,7 @@ def test_kl_estimators_are_unbiased_under_the_old_policy():
         value = approx_kl(p_new.log()[actions], p_old.log()[actions], estimator).item()
         assert value == pytest.approx(exact, abs=1e-12)
     with pytest.raises(ValueError, match="k1"):
-        approx_kl(p_new.log(), p_old.log(), "k2")
+        approx_kl(p_new.log(), p_old.log(), "k4")
 
 
 def test_k3_is_never_negative_but_k1_can_be():
