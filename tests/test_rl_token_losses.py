@@ -252,3 +252,19 @@ def test_clipped_value_loss_equals_the_formula():
     assert stats["value_clip_frac"].item() == pytest.approx(clipped / 5) and clipped == 1
     plain, _ = clipped_value_loss(values, old, returns, w, clip=None)
     assert plain.item() == pytest.approx((1 + 9 + 0.25 + 0.25 + 0.64) / 5)
+
+
+def test_padding_with_extreme_values_changes_nothing():
+    logp, old, ref, adv, mask = _inputs()
+    weights = token_weights(mask, "seq-mean-token-mean")
+    clean = logp.clone().requires_grad_()
+    loss, _ = grpo_loss(clean, old, adv, weights, ref, 0.1, 0.2, 0.28, "k3")
+    loss.backward()
+    pad = mask == 0
+    noisy_logp = logp.masked_fill(pad, 0.0).requires_grad_()
+    noisy_old = old.masked_fill(pad, -1000.0)  # exp(1000) overflows float64
+    noisy_ref = ref.masked_fill(pad, 1000.0)
+    noisy, _ = grpo_loss(noisy_logp, noisy_old, adv, weights, noisy_ref, 0.1, 0.2, 0.28, "k3")
+    noisy.backward()
+    assert noisy.item() == pytest.approx(loss.item(), abs=1e-12)
+    torch.testing.assert_close(noisy_logp.grad, clean.grad, rtol=0, atol=1e-14)

@@ -28,7 +28,7 @@ def approx_kl_terms(logp_new: Tensor, logp_old: Tensor, estimator: KLEstimator =
     """Per-sample Monte-Carlo terms of ``KL(old ‖ new)`` for actions sampled by the old policy; same shape as inputs.
 
     With ``log r = logp_new - logp_old``: ``k1 = -log r`` (unbiased, high variance, can be negative),
-    ``k2 = ½ (log r)²`` (biased, low variance; its gradient is that of the true KL to first order) and
+    ``k2 = ½ (log r)²`` (biased, low variance; close to the KL while the two policies are close) and
     ``k3 = (r - 1) - log r`` (unbiased, never negative, lower variance).
     """
     log_ratio = logp_new - logp_old
@@ -42,8 +42,10 @@ def approx_kl_terms(logp_new: Tensor, logp_old: Tensor, estimator: KLEstimator =
 
 
 def approx_kl(logp_new: Tensor, logp_old: Tensor, estimator: KLEstimator = "k3") -> Tensor:
-    """Monte-Carlo estimate of ``KL(old ‖ new)`` from actions sampled by the old policy: the mean of
-    :func:`approx_kl_terms`."""
+    """Monte-Carlo estimate of ``KL(old ‖ new)`` from actions sampled by the old policy.
+
+    The mean of :func:`approx_kl_terms`; see there for the estimators.
+    """
     return approx_kl_terms(logp_new, logp_old, estimator).mean()
 
 

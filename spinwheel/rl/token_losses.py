@@ -16,7 +16,8 @@ modes ``Σ w = 1`` and they are means, and ``weight_sum`` (``Σ w`` over the sha
 under Dr. GRPO's weights.
 
 Shapes: ``B`` rows (completions), ``T`` token positions; per-token tensors are ``(B, T)``, the log-probs of the
-sampled completion tokens; positions outside the mask may hold anything finite (they get weight 0).
+sampled completion tokens; positions outside the mask (weight 0) may hold any finite values: the losses ignore
+them, also where ``exp`` of their differences would overflow.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def clipped_policy_loss(
     ``KL(π_old ‖ π)``), ``ratio_mean``, ``is_weight_mean`` (with ``is_weights``), ``weight_sum`` (``Σ w``).
     """
     adv = _per_token(advantages)
-    log_ratio = logp - old_logp
+    log_ratio = torch.where(weights != 0, logp - old_logp, 0.0)  # padding cannot overflow exp into 0 · inf
     ratio = log_ratio.exp()
     terms = ppo_clip_terms(ratio, adv, eps_low, eps_high)  # (B, T)
     if is_weights is not None:
@@ -179,7 +180,8 @@ def grpo_loss(
     """
     loss, stats = clipped_policy_loss(logp, old_logp, advantages, weights, eps_low, eps_high, is_weights)
     if ref_logp is not None:
-        kl = (weights * kl_per_token(logp, ref_logp, kl_estimator)).sum()
+        live_logp = torch.where(weights != 0, logp, ref_logp)  # KL 0 on padding, whatever it holds
+        kl = (weights * kl_per_token(live_logp, ref_logp, kl_estimator)).sum()
         stats["kl"] = kl.detach()
         if beta != 0.0:
             loss = loss + beta * kl
