@@ -115,6 +115,43 @@ def _sft_from_args(ns: argparse.Namespace) -> SFTConfig:
     return config
 
 
+_RL_COMMANDS = {
+    "grpo": "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts",
+    "rloo": "RLOO (leave-one-out baseline) on engine rollouts",
+    "reinforce-pp": "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts",
+}
+
+
+def _rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm.config import RLConfig
+
+    p = sub.add_parser(algo, help=what, description=f"{what}; torchrun for data/tensor/pipeline parallel updates")
+    add_arguments(p, RLConfig, skip={"algo"})
+    add_arguments(p, ArithmeticConfig, prefix="task-")
+    add_arguments(p, ParallelConfig)
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
+    p.set_defaults(out_dir=f"runs/{algo}")
+
+
+def _run_rl(ns: argparse.Namespace) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm import RLConfig, train_rl
+
+    config = from_args(RLConfig, ns)
+    config.algo = ns.command
+    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
+    config.parallel = from_args(ParallelConfig, ns)
+    config.engine = from_args(EngineConfig, ns, prefix="engine-")
+    result = train_rl(config)
+    if result.get("eval_after") is not None and os.environ.get("RANK", "0") == "0":
+        before = result.get("eval_before")
+        print(f"held-out exact match: {'' if before is None else f'{before:.1%} -> '}{result['eval_after']:.1%}; "
+              f"wrote {result['checkpoint']}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spinwheel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sft_parser(sub, "sft", "supervised fine-tuning (built-in arithmetic task or --data JSONL)", SFTConfig())
     from spinwheel.engine import EngineConfig
 
+    for algo, what in _RL_COMMANDS.items():
+        _rl_parser(sub, algo, what)
     p = sub.add_parser("generate", help="complete prompts with a checkpoint")
     add_arguments(p, GenerateConfig)
     add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device"})
@@ -152,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             result = train_sft(_sft_from_args(ns))
             if "eval_after" in result:
                 print(f"held-out exact match: {result['eval_after']['exact_match']:.1%}")
+        elif ns.command in _RL_COMMANDS:
+            _run_rl(ns)
         elif ns.command == "generate":
             from spinwheel.engine import EngineConfig
 

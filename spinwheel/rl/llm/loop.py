@@ -1,0 +1,222 @@
+"""The LLM policy-gradient loop: prompts → the engine samples G completions each from the trainer's *current*
+weights → rewards → old (and reference) log-probs from the trainer's forward → advantages → ``epochs`` passes of
+``minibatches`` optimizer steps → the new weights reach the engine → repeat.
+
+One process: the engine serves the learner's own model object (no copy; ``update_weights`` after each update).
+Under ``torchrun``: every data-parallel rank samples its share of the prompts with its own engine; where the layout
+shards parameters (ZeRO-3 / FSDP, TP, PP) each rank gathers the full weights into its engine copy after each update
+(the time is logged as ``time/sync``, the copy's size as ``engine_copy_mb``). Ratios are exact: old-policy log-probs
+come from the trainer's forward, and the engine's own log-probs only measure the sampler/trainer mismatch
+(``mismatch_max`` / ``mismatch_mean``), optionally corrected by truncated importance sampling (``--tis-cap``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from spinwheel.engine import LLM, SamplingParams
+from spinwheel.models.hf import load_model
+from spinwheel.models.tokenizer import load_tokenizer
+from spinwheel.rl.llm.algorithms import GroupPolicyGradient
+from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.rewards import load_reward_fn, score
+from spinwheel.rl.llm.rollout import Prompt, generate_rollout, prompts_from_task, rollout_batch
+from spinwheel.rl.token_losses import logprob_mismatch, token_weights, truncated_is_weights
+from spinwheel.tasks.arithmetic import ArithmeticTask, evaluate
+from spinwheel.tasks.data import read_rl_jsonl
+from spinwheel.train.checkpoint import load_trainer_state
+from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
+from spinwheel.train.metrics import MetricsLogger, plot_curves
+from spinwheel.train.optim import lr_at
+from spinwheel.train.sft_data import batch_indices
+
+
+def load_prompts(config: RLConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out) prompts: the built-in arithmetic task's splits, or ``--data`` split by ``eval_fraction``."""
+    if config.data is None:
+        task = ArithmeticTask(config.task)
+        return prompts_from_task(tokenizer, task.train), prompts_from_task(tokenizer, task.test)
+    rows = prompts_from_task(tokenizer, read_rl_jsonl(config.data))
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
+    return [rows[i] for i in order[num_eval:]], [rows[i] for i in order[:num_eval]]
+
+
+def train_rl(config: RLConfig) -> dict[str, Any]:
+    """Run the configured algorithm; returns the final figures (``eval_before``, ``eval_after``, ``history``)."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    with distributed_world(config.device, config.parallel.timeout_s) as distributed:
+        return _run(config, distributed)
+
+
+def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
+    dims = config.parallel.make_dims()
+    config.parallel.check_batch(config.rollout_batch // config.minibatches, dims.dp, what="the minibatch of")
+    algo = GroupPolicyGradient(config)
+    out_dir, ckpt_dir = Path(config.out_dir), Path(config.out_dir) / "checkpoint"
+    state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
+    tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
+    pad_id = tokenizer.pad_id or 0
+    load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
+    policy = load_model(ckpt_dir if state is not None else config.model, **load)
+    reference = load_model(config.model, **load) if algo.needs_reference else None
+    optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip)
+    learner: Learner
+    ref: Learner | None = None
+    if distributed:
+        learner = ParallelLearner(policy, optim, config.parallel, dims, engine_copy="all")
+        if reference is not None:
+            ref = ParallelLearner(reference, None, config.parallel, dims, engine_copy="none")
+    else:
+        learner = LocalLearner(policy, optim)
+        ref = LocalLearner(reference, None) if reference is not None else None
+    start_step = 0
+    if state is not None:
+        learner.load(ckpt_dir, state)
+        start_step = int(state["step"])
+    train_prompts, eval_prompts = load_prompts(config, tokenizer)
+    if config.reward_model is not None:
+        raise ValueError("--reward-model is not wired into the RL loop yet; use --reward task or module:function")
+    reward_fn = load_reward_fn(config.reward)
+    longest = max(len(p.ids) for p in train_prompts + eval_prompts)
+    engine_options = dataclasses.asdict(config.engine)
+    engine_options.update(max_model_len=longest + config.max_new_tokens + 1, seed=config.seed)
+    assert learner.engine_model is not None
+    llm = LLM(learner.engine_model, tokenizer, **engine_options)
+    engine_copy_mb = 0.0 if getattr(learner, "shares_weights", True) else \
+        sum(p.numel() * p.element_size() for p in learner.engine_model.parameters()) / 2**20
+    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None) if learner.is_main \
+        else None
+
+    def log(record: dict[str, Any]) -> None:
+        if logger is not None:
+            logger.log(record)
+
+    def run_eval(step: int) -> float | None:
+        if not learner.is_main or not eval_prompts:
+            return None
+        greedy = SamplingParams(temperature=0.0, max_tokens=config.max_new_tokens)
+        examples = eval_prompts[:config.eval_examples]
+        ids = {p.text: list(p.ids) for p in examples}
+        result = evaluate(lambda texts: [o.outputs[0].text for o in llm.generate([ids[t] for t in texts], greedy)],
+                          examples, batch_size=len(examples))
+        log({"step": step, "eval_exact_match": result.exact_match})
+        return result.exact_match
+
+    def save(step: int) -> None:
+        learner.save(ckpt_dir, tokenizer, {"step": step, "config": dataclasses.asdict(config)})
+
+    result: dict[str, Any] = {"start_step": start_step}
+    if state is None:
+        log({"step": 0, "algo": config.algo, "num_train": len(train_prompts), "num_eval": len(eval_prompts)})
+        result["eval_before"] = run_eval(0)
+    end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
+    total_updates = config.steps * config.updates_per_step
+    history: list[dict[str, Any]] = []
+    bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step, desc=config.algo,
+               disable=not (config.progress and learner.is_main), dynamic_ncols=True,
+               mininterval=1.0 if sys.stderr.isatty() else 10.0)
+    try:
+        for step in bar:
+            t = {"start": time.perf_counter()}
+            idx = batch_indices(step, config.prompts_per_step, len(train_prompts), config.seed)
+            rollout = generate_rollout(llm, [train_prompts[i] for i in idx], step, config.seed, config.group_size,
+                                       config.max_new_tokens, config.temperature, config.top_p,
+                                       dims if distributed else None)
+            t["generate"] = time.perf_counter()
+            rewards = score(reward_fn, rollout.texts, [p.answer for p in rollout.row_prompts])
+            t["score"] = time.perf_counter()
+            batch = {k: v.to(config.device) for k, v in rollout_batch(rollout, pad_id).items()}
+            inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+            old = learner.forward(inputs)["logprobs"]
+            ref_logp = ref.forward(inputs)["logprobs"] if ref is not None else None
+            t["logprobs"] = time.perf_counter()
+            mask = batch["mask"]
+            advantages = algo.advantages(rewards.to(mask.device), mask, old, ref_logp)
+            keep = torch.ones(mask.shape[0], device=mask.device)
+            if config.dynamic_sampling:
+                from spinwheel.rl.llm_advantages import dynamic_sampling_mask
+
+                keep = dynamic_sampling_mask(rewards, config.group_size).float().to(mask.device)
+            per_row = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logprobs": old,
+                       "advantages": advantages, "mask": mask * keep[:, None]}
+            if ref_logp is not None:
+                per_row["ref_logprobs"] = ref_logp
+            if config.tis_cap is not None:
+                per_row["is_weights"] = truncated_is_weights(old, batch["engine_logprobs"], config.tis_cap)
+            stats = _update(config, learner, algo, per_row, step, total_updates)
+            t["update"] = time.perf_counter()
+            learner.sync_engine_model()
+            llm.update_weights(learner.engine_model)  # ZeRO-1/2 write through flat buckets: repack explicitly
+            t["sync"] = time.perf_counter()
+            weights = token_weights(mask, "token-mean")
+            record = {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                      "response_len": float(mask.sum(1).mean()), "kept_groups": float(keep.sum()) / config.group_size,
+                      **{k: float(v) for k, v in logprob_mismatch(old, batch["engine_logprobs"], mask).items()},
+                      **stats}
+            if ref_logp is not None:
+                record["kl_ref"] = algo.reference_kl(old, ref_logp, weights)
+            phases = ["generate", "score", "logprobs", "update", "sync"]
+            prev = ["start"] + phases[:-1]
+            record.update({f"time/{p}": t[p] - t[q] for p, q in zip(phases, prev)})
+            record["tokens_per_s"] = float(mask.sum()) / (t["sync"] - t["start"])
+            record["engine_copy_mb"] = engine_copy_mb
+            log(record)
+            history.append(record)
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", refresh=False)
+            done = step + 1
+            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
+                if (em := run_eval(done)) is not None:
+                    bar.write(f"step {done}: held-out exact match {em:.3f}")
+            if config.save_every and done % config.save_every == 0 and done < end_step:
+                save(done)
+    except KeyboardInterrupt:
+        bar.close()
+        if learner.distributed:
+            raise
+        done_steps = start_step + len(history)
+        save(done_steps)
+        print(f"interrupted: checkpoint saved at step {done_steps} in {ckpt_dir}; rerun the same command to resume")
+        raise
+    bar.close()
+    save(end_step)
+    result.update(history=history, end_step=end_step, checkpoint=str(ckpt_dir))
+    if end_step == config.steps:
+        result["eval_after"] = run_eval(end_step)
+    if logger is not None:
+        plot_curves(logger.read(), out_dir / "curves.png",
+                    [("reward_mean", "sampled reward"), ("eval_exact_match", "held-out exact match (greedy)"),
+                     ("kl_ref" if config.beta > 0 else "approx_kl", "KL"), ("clip_frac", "clip fraction"),
+                     ("response_len", "completion tokens")], title=f"{config.algo} {config.model}")
+    return result
+
+
+def _update(config: RLConfig, learner: Learner, algo: GroupPolicyGradient, per_row: dict[str, torch.Tensor],
+            step: int, total_updates: int) -> dict[str, float]:
+    """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch; returns the mean stats."""
+    b = per_row["input_ids"].shape[0]
+    size = b // config.minibatches
+    sums: dict[str, float] = {}
+    n = 0
+    for epoch in range(config.epochs):
+        gen = torch.Generator().manual_seed((config.seed * 1_000_003 + step) * 97 + epoch)
+        order = torch.randperm(b, generator=gen) if config.minibatches > 1 else torch.arange(b)
+        for k in range(config.minibatches):
+            rows = order[k * size:(k + 1) * size].to(per_row["input_ids"].device)
+            mb = {key: v[rows] for key, v in per_row.items() if key != "mask"}
+            mb["weights"] = token_weights(per_row["mask"][rows], config.loss_agg, max_len=config.max_new_tokens)
+            update = step * config.updates_per_step + n
+            lr = lr_at(update, config.lr, config.warmup_steps, total_updates, config.min_lr_ratio)
+            out = learner.train_step(mb, algo.loss, lr, entropy=True)
+            for key, v in {**out.stats, "loss": out.loss, "grad_norm": out.grad_norm or 0.0, "lr": lr}.items():
+                sums[key] = sums.get(key, 0.0) + v
+            n += 1
+    return {key: v / n for key, v in sums.items()}

@@ -1,0 +1,129 @@
+"""Rollouts: the step's prompts, G sampled completions each from the engine over the trainer's current weights,
+and the right-padded token batch the trainer takes.
+
+Seeds: request ``(step, prompt p)`` is sampled with seed ``sample_seed(run seed, step, p)`` and the engine derives
+sample j's generator from (that seed, j) — so each completion is a function of (run seed, step, prompt index,
+sample index) and of the weights only, not of which rank or batch generated it. Under ``torchrun`` every
+data-parallel rank generates its own share of the prompts with its own engine and the shares are exchanged, so
+every rank holds the global rollout batch (what the trainer takes).
+
+Batch layout, row ``i = p·G + j`` (prompt p, sample j), right-padded to the longest row::
+
+    tokens     <bos> 1 2 + 3 4 = 4 6 <eos> <pad>
+    input_ids  <bos> 1 2 + 3 4 = 4 6              (T = longest prompt+completion − 1)
+    labels           1 2 + 3 4 = 4 6 <eos>
+    mask             0 0 0 0 0 0 1 1 1             1 where the label is a completion token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spinwheel.engine import LLM, SamplingParams
+from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.parallel.mesh import ParallelDims
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    ids: tuple[int, ...]  # tokenized with the tokenizer's special tokens (BOS)
+    answer: str
+
+    @property
+    def prompt(self) -> str:  # the names task evaluation reads
+        return self.text
+
+
+@dataclass
+class Rollout:
+    """The global rollout batch, rows prompt-major (``i = p·G + j``)."""
+
+    prompts: list[Prompt]  # the step's P prompts
+    group_size: int
+    completion_ids: list[list[int]]  # (B) token ids, EOS included when the completion stopped on it
+    engine_logprobs: list[list[float]]  # (B) the engine's log-prob of each sampled token (raw, untempered)
+    texts: list[str]  # (B) decoded completions
+
+    @property
+    def row_prompts(self) -> list[Prompt]:
+        return [p for p in self.prompts for _ in range(self.group_size)]
+
+
+def sample_seed(seed: int, step: int, prompt_index: int) -> int:
+    """The sampling seed of prompt ``prompt_index`` of rollout step ``step`` (a pure function, see the docstring)."""
+    return (seed * 1_000_003 + step) * 1_000_033 + prompt_index
+
+
+def generate_share(llm: LLM, prompts: list[Prompt], first_index: int, step: int, seed: int, group_size: int,
+                   max_new_tokens: int, temperature: float, top_p: float
+                   ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Sample ``group_size`` completions for each prompt (global indices ``first_index + k``) on ``llm``."""
+    params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                             seed=sample_seed(seed, step, first_index + k), logprobs=0)
+              for k in range(len(prompts))]
+    outs = llm.generate([list(p.ids) for p in prompts], params)
+    ids, logps, texts = [], [], []
+    for p, out in zip(prompts, outs):
+        if out.error:
+            raise ValueError(f"rollout of prompt {p.text!r} failed: {out.error}")
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids.append(list(c.token_ids))
+            logps.append([lp[t] for t, lp in zip(c.token_ids, c.logprobs or [])])
+            texts.append(c.text)
+    return ids, logps, texts
+
+
+def generate_rollout(llm: LLM, prompts: list[Prompt], step: int, seed: int, group_size: int, max_new_tokens: int,
+                     temperature: float, top_p: float, dims: ParallelDims | None = None) -> Rollout:
+    """The step's global rollout; under torchrun each data-parallel rank samples its contiguous share of the
+    prompts, then every rank receives every share (collective over the whole world)."""
+    dp_size = dims.dp_axis.size if dims is not None else 1
+    dp_rank = dims.dp_axis.rank if dims is not None else 0
+    if len(prompts) % dp_size:
+        raise ValueError(f"--prompts-per-step {len(prompts)} must be divisible by the data-parallel degree "
+                         f"{dp_size}")
+    share = len(prompts) // dp_size
+    mine = generate_share(llm, prompts[dp_rank * share:(dp_rank + 1) * share], dp_rank * share, step, seed,
+                          group_size, max_new_tokens, temperature, top_p)
+    if dp_size == 1:
+        ids, logps, texts = mine
+    else:
+        import torch.distributed as dist
+
+        gathered: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dp_rank, mine))
+        by_dp: dict[int, tuple] = {}
+        for r, part in gathered:  # type: ignore[misc]
+            by_dp.setdefault(r, part)  # tensor/pipeline peers of a dp rank sampled the same share
+        ids, logps, texts = [], [], []
+        for r in range(dp_size):
+            ids += by_dp[r][0]
+            logps += by_dp[r][1]
+            texts += by_dp[r][2]
+    return Rollout(prompts, group_size, ids, logps, texts)
+
+
+def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors of the rollout (see the module docstring): ``input_ids``, ``labels``, ``mask`` and
+    ``engine_logprobs`` (0 off the mask), all (B, T)."""
+    rows = [list(p.ids) + c for p, c in zip(rollout.row_prompts, rollout.completion_ids)]
+    t = max(len(r) for r in rows) - 1
+    b = len(rows)
+    tokens = torch.full((b, t + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, t)
+    engine = torch.zeros(b, t)
+    for i, (p, c, lp) in enumerate(zip(rollout.row_prompts, rollout.completion_ids, rollout.engine_logprobs)):
+        n = len(p.ids)
+        tokens[i, :n + len(c)] = torch.tensor(list(p.ids) + c)
+        mask[i, n - 1:n - 1 + len(c)] = 1.0  # label at position n-1 is the first completion token
+        engine[i, n - 1:n - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask, "engine_logprobs": engine}
+
+
+def prompts_from_task(tokenizer: Tokenizer, examples) -> list[Prompt]:
+    """Prompts from task examples (anything with ``prompt`` and ``answer``), tokenized with BOS."""
+    ids = tokenizer.encode_batch([e.prompt for e in examples])
+    return [Prompt(e.prompt, tuple(i), str(e.answer)) for e, i in zip(examples, ids)]
