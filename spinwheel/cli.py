@@ -119,6 +119,8 @@ _RL_COMMANDS = {
     "grpo": "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts",
     "rloo": "RLOO (leave-one-out baseline) on engine rollouts",
     "reinforce-pp": "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts",
+    "ppo": "PPO for LLMs (critic, token-level GAE, KL penalty to the reference) on engine rollouts",
+    "trpo": "TRPO for LLM policies (conjugate gradient on Fisher-vector products, KL trust region) on engine rollouts",
 }
 
 

@@ -21,7 +21,7 @@ from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm_advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
-from spinwheel.rl.token_losses import grpo_loss, kl_per_token
+from spinwheel.rl.token_losses import grpo_loss
 
 
 class GroupPolicyGradient:
@@ -36,11 +36,16 @@ class GroupPolicyGradient:
     def needs_reference(self) -> bool:
         return self.config.beta > 0
 
+    def prepare(self, rewards: torch.Tensor, mask: torch.Tensor, inputs: Batch, old_logprobs: torch.Tensor,
+                ref_logprobs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Per-row tensors the update reads: here only the advantages."""
+        return {"advantages": self.advantages(rewards, mask, old_logprobs, ref_logprobs)}
+
     def advantages(self, rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor,
                    ref_logprobs: torch.Tensor | None) -> torch.Tensor:
         """Per-token advantages (B, T) from rewards (B,) of the rollout batch (rows prompt-major, groups of G)."""
         c, g = self.config, self.config.group_size
-        if c.algo == "grpo":
+        if c.algo in ("grpo", "trpo"):
             adv = group_advantages(rewards, g, scale_std=c.scale_rewards)
         elif c.algo == "rloo":
             adv = rloo_advantages(rewards, g)
@@ -60,7 +65,3 @@ class GroupPolicyGradient:
         if out.entropy is not None:
             stats["entropy"] = (mb["weights"] * out.entropy).sum()
         return loss, stats
-
-    def reference_kl(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, weights: torch.Tensor) -> float:
-        """The logged KL(π‖π_ref) of the rollout policy (token-weighted, with the configured estimator)."""
-        return float((weights * kl_per_token(logprobs, ref_logprobs, self.config.kl_estimator)).sum())

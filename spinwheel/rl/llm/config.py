@@ -16,17 +16,17 @@ from spinwheel.models.hf import resolve_dtype
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 
-ALGOS = ("grpo", "rloo", "reinforce-pp")
+ALGOS = ("grpo", "rloo", "reinforce-pp", "ppo", "trpo")
 
 
 @dataclass
 class RLConfig:
     """Policy-gradient post-training on rollouts from spinwheel's own engine (built-in task or your JSONL)."""
 
-    algo: Literal["grpo", "rloo", "reinforce-pp"] = option("grpo", help="advantage estimator and loss: grpo "
-                                                           "(group-normalised), rloo (leave-one-out baseline), "
-                                                           "reinforce-pp (REINFORCE++, batch-whitened returns)",
-                                                           choices=ALGOS)
+    algo: Literal["grpo", "rloo", "reinforce-pp", "ppo", "trpo"] = option(
+        "grpo", help="grpo (group-normalised advantages), rloo (leave-one-out baseline), reinforce-pp (REINFORCE++, "
+                     "batch-whitened returns), ppo (critic + token GAE + KL penalty), trpo (natural gradient in a "
+                     "KL trust region)", choices=ALGOS)
     model: str = option("runs/demo/checkpoint", help="policy to start from: HF checkpoint directory or preset")
     data: str | None = option(None, help="RL JSONL with {prompt, answer} lines; default: the built-in task")
     eval_fraction: float = option(0.05, help="share of --data lines held out for evaluation")
@@ -58,6 +58,17 @@ class RLConfig:
     scale_rewards: bool = option(True, help="GRPO: divide group advantages by the group std (--no-scale-rewards "
                                             "with --loss-agg seq-mean-token-sum-norm is Dr. GRPO)")
     dynamic_sampling: bool = option(False, help="drop groups whose rewards are all equal from the loss (DAPO)")
+    gamma: float = option(1.0, help="ppo: discount of the per-token rewards")
+    lam: float = option(0.95, help="ppo: GAE λ")
+    critic_lr: float = option(1e-4, help="ppo: learning rate of the critic (a scalar-head copy of the policy)")
+    value_clip: float | None = option(0.2, help="ppo: clip range of the value loss around the rollout values")
+    whiten_advantages: bool = option(True, help="ppo: whiten the GAE advantages over the batch's tokens")
+    kl_target: float | None = option(None, help="ppo: target KL per sequence for the adaptive β controller "
+                                                "(Ziegler et al.); default: a fixed --beta")
+    kl_horizon: float = option(10000.0, help="ppo: horizon (samples) of the adaptive β controller")
+    max_kl: float = option(0.01, help="trpo: trust-region radius δ on the mean per-token KL(π_old ‖ π_new)")
+    cg_iters: int = option(10, help="trpo: conjugate-gradient iterations")
+    cg_damping: float = option(0.1, help="trpo: damping added to the Fisher-vector products")
     tis_cap: float | None = option(None, help="truncated importance sampling: weight tokens by min(π_trainer / "
                                               "π_engine, C) to correct sampler/trainer mismatch (e.g. 2.0)")
     eval_every: int = option(50, help="held-out greedy exact match every N steps (0: only at the start and end)")
@@ -97,6 +108,18 @@ class RLConfig:
             raise ValueError(f"--temperature must be > 0 for sampled rollouts, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("critic_lr", "max_kl", "cg_iters", "kl_horizon"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.kl_target is not None and self.kl_target <= 0:
+            raise ValueError(f"--kl-target must be > 0, got {self.kl_target}")
+        if self.kl_target is not None and self.beta == 0:
+            raise ValueError("--kl-target adapts --beta: give a starting --beta > 0")
+        if self.algo == "trpo" and (self.epochs > 1 or self.minibatches > 1):
+            raise ValueError("trpo takes one trust-region step per rollout batch: --epochs 1 --minibatches 1")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"--tis-cap must be > 0, got {self.tis_cap}")
         if self.stop_after is not None and self.stop_after < 1:

@@ -23,12 +23,15 @@ from tqdm.auto import tqdm
 
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.hf import load_model
+from spinwheel.models.transformer import scalar_head_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.rl.llm.algorithms import GroupPolicyGradient
+from spinwheel.rl.llm.ppo import PPO
+from spinwheel.rl.llm.trpo import TRPO
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.rewards import load_reward_fn, score
 from spinwheel.rl.llm.rollout import Prompt, generate_rollout, prompts_from_task, rollout_batch
-from spinwheel.rl.token_losses import logprob_mismatch, token_weights, truncated_is_weights
+from spinwheel.rl.token_losses import kl_per_token, logprob_mismatch, token_weights, truncated_is_weights
 from spinwheel.tasks.arithmetic import ArithmeticTask, evaluate
 from spinwheel.tasks.data import read_rl_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
@@ -60,14 +63,13 @@ def train_rl(config: RLConfig) -> dict[str, Any]:
 def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     dims = config.parallel.make_dims()
     config.parallel.check_batch(config.rollout_batch // config.minibatches, dims.dp, what="the minibatch of")
-    algo = GroupPolicyGradient(config)
     out_dir, ckpt_dir = Path(config.out_dir), Path(config.out_dir) / "checkpoint"
     state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
     tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
     pad_id = tokenizer.pad_id or 0
     load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
     policy = load_model(ckpt_dir if state is not None else config.model, **load)
-    reference = load_model(config.model, **load) if algo.needs_reference else None
+    reference = load_model(config.model, **load) if config.beta > 0 else None
     optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip)
     learner: Learner
     ref: Learner | None = None
@@ -78,6 +80,8 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     else:
         learner = LocalLearner(policy, optim)
         ref = LocalLearner(reference, None) if reference is not None else None
+    algo = make_algorithm(config, lambda: load_model(config.model, **load), distributed, dims,
+                          out_dir / "critic" if state is not None else None)
     start_step = 0
     if state is not None:
         learner.load(ckpt_dir, state)
@@ -112,6 +116,8 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
         return result.exact_match
 
     def save(step: int) -> None:
+        if isinstance(algo, PPO):  # the critic first: a policy checkpoint never points at a missing critic
+            algo.critic.save(out_dir / "critic", None, {"step": step, "kl_coef": algo.kl.state_dict()})
         learner.save(ckpt_dir, tokenizer, {"step": step, "config": dataclasses.asdict(config)})
 
     result: dict[str, Any] = {"start_step": start_step}
@@ -140,14 +146,14 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
             ref_logp = ref.forward(inputs)["logprobs"] if ref is not None else None
             t["logprobs"] = time.perf_counter()
             mask = batch["mask"]
-            advantages = algo.advantages(rewards.to(mask.device), mask, old, ref_logp)
+            prepared = algo.prepare(rewards.to(mask.device), mask, inputs, old, ref_logp)
             keep = torch.ones(mask.shape[0], device=mask.device)
             if config.dynamic_sampling:
                 from spinwheel.rl.llm_advantages import dynamic_sampling_mask
 
                 keep = dynamic_sampling_mask(rewards, config.group_size).float().to(mask.device)
             per_row = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logprobs": old,
-                       "advantages": advantages, "mask": mask * keep[:, None]}
+                       "mask": mask * keep[:, None], **prepared}
             if ref_logp is not None:
                 per_row["ref_logprobs"] = ref_logp
             if config.tis_cap is not None:
@@ -163,7 +169,7 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
                       **{k: float(v) for k, v in logprob_mismatch(old, batch["engine_logprobs"], mask).items()},
                       **stats}
             if ref_logp is not None:
-                record["kl_ref"] = algo.reference_kl(old, ref_logp, weights)
+                record["kl_ref"] = float((weights * kl_per_token(old, ref_logp, config.kl_estimator)).sum())
             phases = ["generate", "score", "logprobs", "update", "sync"]
             prev = ["start"] + phases[:-1]
             record.update({f"time/{p}": t[p] - t[q] for p, q in zip(phases, prev)})
@@ -199,9 +205,36 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     return result
 
 
-def _update(config: RLConfig, learner: Learner, algo: GroupPolicyGradient, per_row: dict[str, torch.Tensor],
+def make_algorithm(config: RLConfig, initial_policy, distributed: bool, dims, critic_dir: Path | None):
+    """The configured algorithm; PPO builds its critic (a scalar-head copy of the initial policy's body, or the
+    saved critic when resuming) on a learner of the policy's layout."""
+    if config.algo == "trpo":
+        return TRPO(config)
+    if config.algo != "ppo":
+        return GroupPolicyGradient(config)
+    if critic_dir is not None:
+        critic_model = load_model(critic_dir, dtype=config.dtype, device=config.device)
+    else:
+        critic_model = scalar_head_model(initial_policy(), seed=config.seed)
+    optim = OptimConfig(config.critic_lr, 0.0, config.grad_clip)
+    critic: Learner = (ParallelLearner(critic_model, optim, config.parallel, dims, engine_copy="none")
+                       if distributed else LocalLearner(critic_model, optim))
+    algo = PPO(config, critic)
+    if critic_dir is not None:
+        state = load_trainer_state(critic_dir)
+        critic.load(critic_dir, state)
+        algo.kl.load_state_dict(state["kl_coef"])
+    return algo
+
+
+def _update(config: RLConfig, learner: Learner, algo, per_row: dict[str, torch.Tensor],
             step: int, total_updates: int) -> dict[str, float]:
-    """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch; returns the mean stats."""
+    """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch (TRPO: one trust-region step);
+    PPO steps its critic on each minibatch too. Returns the mean stats."""
+    if isinstance(algo, TRPO):
+        batch = {k: v for k, v in per_row.items() if k != "mask"}
+        batch["weights"] = token_weights(per_row["mask"], config.loss_agg, max_len=config.max_new_tokens)
+        return algo.update(learner, batch)
     b = per_row["input_ids"].shape[0]
     size = b // config.minibatches
     sums: dict[str, float] = {}
@@ -216,7 +249,9 @@ def _update(config: RLConfig, learner: Learner, algo: GroupPolicyGradient, per_r
             update = step * config.updates_per_step + n
             lr = lr_at(update, config.lr, config.warmup_steps, total_updates, config.min_lr_ratio)
             out = learner.train_step(mb, algo.loss, lr, entropy=True)
-            for key, v in {**out.stats, "loss": out.loss, "grad_norm": out.grad_norm or 0.0, "lr": lr}.items():
+            extra = algo.critic_step(mb, per_row["mask"][rows], lr / config.lr) if isinstance(algo, PPO) else {}
+            for key, v in {**out.stats, **extra, "loss": out.loss, "grad_norm": out.grad_norm or 0.0,
+                           "lr": lr}.items():
                 sums[key] = sums.get(key, 0.0) + v
             n += 1
     return {key: v / n for key, v in sums.items()}

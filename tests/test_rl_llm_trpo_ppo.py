@@ -1,0 +1,98 @@
+"""TRPO for LLM policies (the trust region holds; data-parallel steps equal one process) and PPO with a critic
+on the RL loop (the critic trains, is checkpointed and resumed; the adaptive KL controller moves β)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spinwheel.models.presets import preset_config
+from spinwheel.models.transformer import Transformer
+from spinwheel.parallel import ParallelConfig, spawn
+from spinwheel.rl.llm import train_rl
+from spinwheel.rl.llm.trpo import trpo_update
+from spinwheel.rl.token_losses import token_weights
+from spinwheel.train.learners import LocalLearner, ParallelLearner, local_outputs
+from spinwheel.train.metrics import read_metrics
+
+from test_rl_llm import digit_reward, small_config  # noqa: F401  (the fixture gives every test its reward module)
+
+VOCAB, BATCH, SEQ = 48, 8, 9
+
+
+def make_model() -> Transformer:
+    return Transformer(preset_config("test", VOCAB, num_hidden_layers=2)).init_weights(5)
+
+
+def make_batch(model) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    mask = (torch.arange(SEQ)[None] >= torch.randint(1, 5, (BATCH, 1), generator=gen)).float()
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "weights": token_weights(mask, "token-mean"),
+             "advantages": torch.randn(BATCH, 1, generator=gen).expand(BATCH, SEQ) * mask}
+    with torch.no_grad():
+        batch["old_logprobs"] = local_outputs(model, batch, False).logprobs
+    return batch
+
+
+def full_kl(before: torch.Tensor, model, batch) -> float:
+    """Σ w · KL(π_old ‖ π_new) over the whole vocabulary, written out from the logits."""
+    with torch.no_grad():
+        p_old = F.log_softmax(before, -1)
+        p_new = F.log_softmax(model(batch["input_ids"]).float(), -1)
+        return float((batch["weights"] * (p_old.exp() * (p_old - p_new)).sum(-1)).sum())
+
+
+@pytest.mark.parametrize("max_kl", [1e-3, 1e-2])
+def test_trpo_step_stays_in_the_trust_region(max_kl):
+    model = make_model()
+    batch = make_batch(model)
+    with torch.no_grad():
+        before = model(batch["input_ids"]).float()
+        params_before = torch.cat([p.flatten() for p in model.parameters()]).clone()
+    stats = trpo_update(LocalLearner(model, None), batch, max_kl=max_kl, damping=0.1, cg_iters=10)
+    measured = full_kl(before, model, batch)
+    assert stats["accepted"] == 1.0 and stats["surrogate_improvement"] > 0
+    assert measured <= max_kl * (1 + 1e-4) and measured == pytest.approx(stats["kl"], rel=1e-3)
+    assert measured > 0.05 * max_kl  # a real step, not a rejected one
+    assert not torch.equal(params_before, torch.cat([p.flatten() for p in model.parameters()]))
+
+
+def _flat(model) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def _trpo_worker(rank: int, world_size: int) -> list[float]:
+    model = make_model()
+    batch = make_batch(model)
+    learner = ParallelLearner(model, None, ParallelConfig(), engine_copy="none")
+    trpo_update(learner, batch, max_kl=1e-2, damping=0.1, cg_iters=10)
+    return _flat(learner.trainer.pm.stage)  # plain floats: tensors through the result queue can stall
+
+
+def test_trpo_data_parallel_equals_one_process():
+    """Fisher-vector products, gradients and line-search values all-reduced: two ranks take one process's step."""
+    model = make_model()
+    trpo_update(LocalLearner(model, None), make_batch(model), max_kl=1e-2, damping=0.1, cg_iters=10)
+    ref = torch.tensor(_flat(model))
+    assert not torch.equal(ref, torch.tensor(_flat(make_model())))  # the step moved the parameters
+    for got in spawn(_trpo_worker, 2, timeout_s=120):
+        assert torch.allclose(torch.tensor(got), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_ppo_trains_its_critic_and_resumes(tmp_path):
+    config = small_config(tmp_path, algo="ppo", steps=4, save_every=2, stop_after=2, critic_lr=3e-3,
+                          kl_target=0.01, beta=0.1)
+    train_rl(config)
+    assert (tmp_path / "critic" / "config.json").is_file()
+    train_rl(small_config(tmp_path, algo="ppo", steps=4, save_every=2, critic_lr=3e-3, kl_target=0.01, beta=0.1))
+    recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "value_loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert len({round(r["kl_coef"], 9) for r in recs}) > 1  # the adaptive controller moved β
+    full = tmp_path / "full"
+    train_rl(small_config(full, algo="ppo", steps=4, critic_lr=3e-3, kl_target=0.01, beta=0.1))
+    ref = [r for r in read_metrics(full / "metrics.jsonl") if "value_loss" in r]
+    for a, b in zip(recs, ref):  # resumed run == uninterrupted run (critic and β restored)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
+        assert a["value_loss"] == pytest.approx(b["value_loss"], rel=1e-6)
