@@ -1,0 +1,78 @@
+"""The house rules a newcomer relies on: spinwheel's import graph has no cycles (every import, also those inside
+functions), and no module is over 350 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import spinwheel
+
+ROOT = Path(spinwheel.__file__).parent
+MAX_LINES = 350
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the spinwheel modules it imports (``from a.b import c`` counts a.b.c when it is a module)."""
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for t in targets:
+                if t in modules and t != name and not t == package:  # a package's own __init__ is not an edge
+                    graph[name].add(t)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (c := visit(n)):
+                return c
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (c := visit(m)):
+            return c
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "spinwheel.train.sft" in graph and graph["spinwheel.train.sft"]  # the graph is really read
+    # A submodule reading its own package's re-exports runs inside that package's import: not a cycle of files.
+    cycle = find_cycle({m: {n for n in edges if not m.startswith(n + ".")} for m, edges in graph.items()})
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_module_over_350_lines():
+    long = {module_name(p): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
