@@ -6,11 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spinwheel.config import add_arguments, from_args, option
@@ -25,7 +22,7 @@ from spinwheel.train.sft_config import SFTConfig
 class GenerateConfig:
     """Generate completions from a checkpoint or preset."""
 
-    model: str = option("runs/demo/checkpoint", help="HF checkpoint directory or built-in preset")
+    model: str = option("runs/demo/grpo/checkpoint", help="HF checkpoint directory or built-in preset")
     prompt: list[str] = option(None, help="prompt(s) to complete", default_factory=lambda: ["12+34="])
     max_tokens: int = option(32, help="max new tokens per prompt")
     temperature: float = option(0.0, help="sampling temperature (0: greedy)")
@@ -65,33 +62,6 @@ def run_generate(config: GenerateConfig, engine: EngineConfig | None = None) -> 
         texts.append(out.outputs[0].text)
         print(f"{prompt}{out.outputs[0].text}")
     return texts
-
-
-def demo_config(out_dir: str = "runs/demo") -> SFTConfig:
-    return SFTConfig(out_dir=out_dir, resume=False)
-
-
-def run_demo(config: SFTConfig) -> dict:
-    """The main job: SFT of the tiny built-in model on the arithmetic task, exact match before and after."""
-    from spinwheel.train.sft import train_sft
-
-    out = Path(config.out_dir)
-    if out.exists() and not config.resume:
-        shutil.rmtree(out)
-    print(f"spinwheel demo: SFT of the '{config.model}' preset on {config.task.num_digits}-digit arithmetic "
-          f"({' '.join(config.task.operators)}), {config.steps} steps of {config.batch_size}; writing {out}/")
-    t0 = time.perf_counter()
-    result = train_sft(config)
-    before = result.get("eval_before", {}).get("exact_match")
-    after = result.get("eval_after", {}).get("exact_match")
-    print(f"\nheld-out exact match: before {before:.1%} -> after {after:.1%} "
-          f"({config.eval_examples} test problems never seen in training)")
-    print("samples (prompt -> completion | answer):")
-    for prompt, completion, answer in result["eval_after"]["samples"]:
-        print(f"  {prompt}{completion!r:<8} | {answer}  {'ok' if completion.strip() == answer else 'WRONG'}")
-    print(f"wrote {out / 'checkpoint'} (HF format + tokenizer), {out / 'metrics.jsonl'}, {out / 'curves.png'} "
-          f"in {time.perf_counter() - t0:.0f}s")
-    return result
 
 
 def _sft_parser(sub: argparse._SubParsersAction, name: str, help: str, defaults: SFTConfig) -> None:
@@ -157,8 +127,11 @@ def _run_rl(ns: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spinwheel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _sft_parser(sub, "demo", "the main job: SFT of the built-in tiny model on arithmetic, before/after accuracy",
-                demo_config())
+    from spinwheel.demo import DemoConfig
+
+    p = sub.add_parser("demo", help="the main job: SFT then GRPO of the built-in tiny model on 2-digit addition",
+                       description=DemoConfig.__doc__)
+    add_arguments(p, DemoConfig)
     _sft_parser(sub, "sft", "supervised fine-tuning (built-in arithmetic task or --data JSONL)", SFTConfig())
     from spinwheel.engine import EngineConfig
 
@@ -186,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         if ns.command == "demo":
-            run_demo(_sft_from_args(ns))
+            from spinwheel.demo import DemoConfig, run_demo
+
+            run_demo(from_args(DemoConfig, ns))
         elif ns.command == "sft":
             from spinwheel.train.sft import train_sft
 

@@ -6,12 +6,13 @@ import json
 import pytest
 
 from spinwheel.cli import GenerateConfig, build_parser, main
+from spinwheel.demo import DemoConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.sft_config import SFTConfig
 
 
 @pytest.mark.parametrize("command,configs", [("sft", [(SFTConfig, ""), (ArithmeticConfig, "task-")]),
-                                             ("demo", [(SFTConfig, ""), (ArithmeticConfig, "task-")]),
+                                             ("demo", [(DemoConfig, "")]),
                                              ("generate", [(GenerateConfig, "")])])
 def test_help_documents_every_field(command, configs, capsys):
     with pytest.raises(SystemExit):
@@ -76,7 +77,14 @@ def test_sft_then_generate_end_to_end(tmp_path, capsys):
 
 def test_parser_defaults_build_valid_configs():
     ns = build_parser().parse_args(["demo"])
-    assert ns.out_dir == "runs/demo" and ns.resume is False
+    assert ns.out_dir == "runs/demo" and ns.sft_steps == DemoConfig().sft_steps
+
+
+def test_demo_never_deletes_a_directory_it_did_not_write(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["demo", "--out-dir", str(tmp_path), "--sft-steps", "1", "--grpo-steps", "1"]) == 2
+    assert "not written by spinwheel demo" in _error_line(capsys)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_classic_command_writes_its_outputs(tmp_path, capsys):

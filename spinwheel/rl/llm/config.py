@@ -27,7 +27,7 @@ class RLConfig:
         "grpo", help="grpo (group-normalised advantages), rloo (leave-one-out baseline), reinforce-pp (REINFORCE++, "
                      "batch-whitened returns), ppo (critic + token GAE + KL penalty), trpo (natural gradient in a "
                      "KL trust region)", choices=ALGOS)
-    model: str = option("runs/demo/checkpoint", help="policy to start from: HF checkpoint directory or preset")
+    model: str = option("runs/sft/checkpoint", help="policy to start from: HF checkpoint directory or preset")
     data: str | None = option(None, help="RL JSONL with {prompt, answer} lines; default: the built-in task")
     eval_fraction: float = option(0.05, help="share of --data lines held out for evaluation")
     reward: str = option("task", help="'task' (exact match of the answer) or a Python function 'module:function' "
