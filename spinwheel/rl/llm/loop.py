@@ -81,7 +81,8 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
         learner = LocalLearner(policy, optim)
         ref = LocalLearner(reference, None) if reference is not None else None
     algo = make_algorithm(config, lambda: load_model(config.model, **load), distributed, dims,
-                          out_dir / "critic" if state is not None else None)
+                          out_dir / "critic" if state is not None else None,
+                          int(state["step"]) if state is not None else 0)
     start_step = 0
     if state is not None:
         learner.load(ckpt_dir, state)
@@ -205,7 +206,8 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     return result
 
 
-def make_algorithm(config: RLConfig, initial_policy, distributed: bool, dims, critic_dir: Path | None):
+def make_algorithm(config: RLConfig, initial_policy, distributed: bool, dims, critic_dir: Path | None,
+                   resume_step: int = 0):
     """The configured algorithm; PPO builds its critic (a scalar-head copy of the initial policy's body, or the
     saved critic when resuming) on a learner of the policy's layout."""
     if config.algo == "trpo":
@@ -222,6 +224,9 @@ def make_algorithm(config: RLConfig, initial_policy, distributed: bool, dims, cr
     algo = PPO(config, critic)
     if critic_dir is not None:
         state = load_trainer_state(critic_dir)
+        if state is None or state["step"] != resume_step:
+            raise ValueError(f"{critic_dir} does not match the policy checkpoint at step {resume_step} (the run "
+                             "stopped between the two saves); rerun with --no-resume to start over")
         critic.load(critic_dir, state)
         algo.kl.load_state_dict(state["kl_coef"])
     return algo
