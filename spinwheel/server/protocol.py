@@ -1,8 +1,16 @@
 """OpenAI API request bodies (the subset spinwheel serves) and OpenAI-style errors.
 
 Fields follow the OpenAI reference for ``/v1/completions`` and ``/v1/chat/completions``; unknown fields are accepted
-and ignored, as OpenAI's own server does with newer client fields. Type and range checks happen here so that bad
-input becomes a 400 with ``{"error": {"message", "type", "param", "code"}}`` before it reaches the engine.
+and ignored, as OpenAI's own server does with newer client fields. Bad input becomes a 400 with
+``{"error": {"message", "type", "param", "code"}}`` before it reaches the engine. Each rule lives in one place:
+
+- here, the wire: each field's JSON type, required fields, and the server's caps on what one request may ask for
+  (``n <= MAX_N``, ``logprobs <= MAX_LOGPROBS``, at most ``MAX_STOP`` non-empty stop strings, and OpenAI's own
+  bounds ``temperature <= 2``, ``repetition_penalty <= 10``, a seed in ``[0, 2**63)``);
+- :class:`~spinwheel.engine.SamplingParams`, what a value means to the decoder (``n >= 1``, ``temperature >= 0``,
+  ``top_p`` in (0, 1], ``max_tokens >= 1``, ...), the same rules for offline callers;
+- ``params.py``, what needs the model: token ids inside the vocabulary, prompt plus ``max_tokens`` inside the
+  context.
 """
 
 from __future__ import annotations
@@ -38,20 +46,20 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1 = off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM extension
+    n: StrictInt = Field(1, le=MAX_N)
+    max_tokens: StrictInt | None = None
+    temperature: float = Field(1.0, le=2.0)
+    top_p: float = 1.0
+    top_k: StrictInt = 0  # vLLM extension; 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, le=10.0)  # vLLM extension
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: StrictInt = 0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -71,7 +79,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
@@ -108,6 +116,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    top_logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)
+    max_completion_tokens: StrictInt | None = None
     add_generation_prompt: StrictBool = True  # vLLM extension
