@@ -1,18 +1,22 @@
 """An OpenAI-compatible HTTP server on the engine (what ``vllm serve`` offers, for spinwheel checkpoints).
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent
-events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus text format). Every error is an
-OpenAI error object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status: bad input never takes
-the server down. A client that disconnects aborts its requests, whose KV blocks are freed at the next step.
+events ending in ``data: [DONE]``), ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (as vLLM has them),
+``GET /health``, ``GET /metrics`` (Prometheus text format). Every error is an OpenAI error object
+(``{"error": {"message", "type", "param", "code"}}``): bad input gets a 4xx and never takes the server down, and
+anything unforeseen becomes a 500 error object, counted in the metrics. A client that disconnects aborts its
+requests, whose KV blocks are freed at the next step.
 
-The rooms: ``middleware.py`` (body limit, API key), ``protocol.py`` (request bodies), ``params.py`` (request ->
-``SamplingParams``), ``completions.py`` and ``chat.py`` (the endpoints), ``streaming.py`` (the SSE path both share),
+The rooms: ``transport.py`` (connection limits under the HTTP parser), ``middleware.py`` (request body, API key),
+``protocol.py`` (request bodies), ``params.py`` (request -> ``SamplingParams``), ``completions.py``, ``chat.py``
+and ``tokenization.py`` (the endpoints), ``streaming.py`` (the SSE path both generation endpoints share),
 ``generation.py`` (one HTTP request fanned out to engine requests), ``async_engine.py`` (the engine's thread),
-``metrics.py``. This module only wires them together.
+``metrics.py``, ``limits.py``. This module only wires them together.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,35 +26,57 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import spinwheel
 from spinwheel.engine import LLMEngine
 from spinwheel.server.async_engine import AsyncEngine, EngineDeadError
 from spinwheel.server.chat import ChatCompletions
 from spinwheel.server.completions import Completions
+from spinwheel.server.limits import ServerLimits
 from spinwheel.server.metrics import ServerMetrics
-from spinwheel.server.middleware import BodyLimitMiddleware, api_key_auth
+from spinwheel.server.middleware import RequestBodyMiddleware, api_key_auth, check_api_key, error_response
 from spinwheel.server.params import ServedModel
-from spinwheel.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from spinwheel.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, internal_error)
+from spinwheel.server.tokenization import Tokenization
+from spinwheel.server.transport import ConnectionGuard
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServer:
     def __init__(self, engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20) -> None:
+                 max_body_bytes: int = 1 << 20, limits: ServerLimits | None = None) -> None:
         if engine.tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer")
+        check_api_key(api_key)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.api_key = api_key
+        self.limits = limits = limits or ServerLimits()
         self.metrics = ServerMetrics(engine)
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
-        self.served = ServedModel(served_model_name, engine.model.config.vocab_size, engine.max_model_len)
-        self.completions = Completions(self.served, self.tokenizer, self.async_engine)
-        self.chat = ChatCompletions(self.served, self.tokenizer, self.async_engine)
+        self.guard = ConnectionGuard(limits.max_connections, limits.header_timeout_s, limits.stall_timeout_s,
+                                     limits.send_buffer_kb << 10)
+        self.metrics.watch(lambda: self.async_engine.num_unread_outputs,
+                           lambda: (len(self.guard.open), self.guard.stats))
+        self.served = ServedModel(served_model_name, engine.model.config.vocab_size, engine.max_model_len,
+                                  limits.max_sequences_per_request)
+        count = self.metrics.count_error
+        self.completions = Completions(self.served, self.tokenizer, self.async_engine, count)
+        self.chat = ChatCompletions(self.served, self.tokenizer, self.async_engine, count)
+        self.tokenization = Tokenization(self.served, self.tokenizer)
         self.created = int(time.time())
-        self.app = BodyLimitMiddleware(self._build_app(), max_body_bytes)
+        self.app = RequestBodyMiddleware(self._build_app(), max_body_bytes, limits.body_timeout_s, count)
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()
+
+    def uvicorn_config(self, host: str, port: int, log_level: str) -> Any:
+        """uvicorn's settings for this app: the h11 protocol under this server's connection guard."""
+        import uvicorn
+
+        return uvicorn.Config(self.app, host=host, port=port, log_level=log_level, http=self.guard.protocol_factory())
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="spinwheel", docs_url=None, redoc_url=None, openapi_url=None)
@@ -67,6 +93,10 @@ class OpenAIServer:
         async def metrics() -> Response:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+        @app.get("/version")
+        async def version() -> dict:
+            return {"version": spinwheel.__version__}
+
         @app.get("/v1/models", dependencies=authorized)
         async def models() -> dict:
             return {"object": "list", "data": [{
@@ -81,34 +111,49 @@ class OpenAIServer:
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await self.chat(body, request)
 
+        @app.post("/tokenize", dependencies=authorized)
+        async def tokenize(body: TokenizeRequest) -> dict:
+            return await self.tokenization.tokenize(body)
+
+        @app.post("/detokenize", dependencies=authorized)
+        async def detokenize(body: DetokenizeRequest) -> dict:
+            return await self.tokenization.detokenize(body)
+
         return app
 
     def _add_error_handlers(self, app: FastAPI) -> None:
         """Every failure becomes an OpenAI error object, counted by status in the metrics."""
 
         @app.exception_handler(APIError)
-        async def _api_error(request: Request, e: APIError) -> JSONResponse:
-            self.metrics.http_errors.labels(str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status)
+        async def _api_error(request: Request, e: APIError) -> Response:
+            self.metrics.count_error(e.status)
+            return error_response(e)
 
         @app.exception_handler(RequestValidationError)
-        async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        async def _validation_error(request: Request, e: RequestValidationError) -> Response:
             errors = e.errors()
             first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request"}
             loc = [str(p) for p in first.get("loc", ()) if p != "body"]
             if first.get("type") == "json_invalid":
                 message, param = f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+            elif first.get("type") == "invalid_unicode":
+                message, param = str(first.get("msg")), first["ctx"]["param"]
             else:
                 param = ".".join(loc) or None
                 message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
             return await _api_error(request, APIError(400, message, param=param))
 
         @app.exception_handler(StarletteHTTPException)
-        async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
             return await _api_error(request, APIError(e.status_code, str(e.detail),
                                                       type="not_found_error" if e.status_code == 404
                                                       else "invalid_request_error"))
 
         @app.exception_handler(EngineDeadError)
-        async def _engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-            return JSONResponse(APIError(503, str(e), type="server_error").body(), status_code=503)
+        async def _engine_dead(request: Request, e: EngineDeadError) -> Response:
+            return await _api_error(request, APIError(503, str(e), type="server_error"))
+
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, e: Exception) -> Response:
+            # Starlette re-raises after answering, so uvicorn logs the traceback (rate-limited by serve's filter).
+            return await _api_error(request, internal_error(e))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -15,26 +16,31 @@ from spinwheel.server import generation
 from spinwheel.server.async_engine import AsyncEngine
 from spinwheel.server.logprobs import chat_logprobs
 from spinwheel.server.params import ServedModel
-from spinwheel.server.protocol import APIError, ChatCompletionRequest
+from spinwheel.server.protocol import APIError, ChatCompletionRequest, ChatMessage
 from spinwheel.server.streaming import Delta, chunk_envelope, stream_response
 
 
-class ChatCompletions:
-    def __init__(self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine) -> None:
-        self.model, self.tokenizer, self.engine = model, tokenizer, engine
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                add_special_tokens: bool = False) -> list[int]:
+    """A conversation's prompt token ids: the chat template writes the special tokens itself."""
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
-        """The rendered conversation's token ids (the template writes the special tokens itself)."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        except TokenizerError as e:
-            raise APIError(400, str(e), param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+class ChatCompletions:
+    def __init__(self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine,
+                 on_error: Callable[[int], None]) -> None:
+        self.model, self.tokenizer, self.engine, self.on_error = model, tokenizer, engine, on_error
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.model.check_name(body.model)
-        ids = self.prompt_ids(body)
+        self.model.check_num_sequences(1, body.n)
+        size = sum(len(m.text()) for m in body.messages)
+        ids = await generation.off_loop(size, render_chat, self.tokenizer, body.messages, body.add_generation_prompt)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.check_prompt(ids, requested, "messages")
         want_lp = body.logprobs
@@ -75,4 +81,4 @@ class ChatCompletions:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return stream_response(generation.run(self.engine, rid, [ids], params), params.stop, render,
                                chunk_envelope(rid, "chat.completion.chunk", created, self.model.name),
-                               len(ids) if include_usage else None)
+                               len(ids) if include_usage else None, self.on_error)

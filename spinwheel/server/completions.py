@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -20,8 +21,9 @@ from spinwheel.server.streaming import Delta, chunk_envelope, stream_response
 
 
 class Completions:
-    def __init__(self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine) -> None:
-        self.model, self.tokenizer, self.engine = model, tokenizer, engine
+    def __init__(self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine,
+                 on_error: Callable[[int], None]) -> None:
+        self.model, self.tokenizer, self.engine, self.on_error = model, tokenizer, engine, on_error
 
     def _tokenize(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
         """The prompts' texts (None for token-id prompts) and token ids."""
@@ -38,7 +40,11 @@ class Completions:
         self.model.check_name(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        texts, prompts = self._tokenize(body)
+        raw = body.prompt
+        num_prompts = 1 if isinstance(raw, str) or isinstance(raw[0], int) else len(raw)
+        self.model.check_num_sequences(num_prompts, body.n)
+        size = len(raw) if isinstance(raw, str) else sum(len(p) for p in raw) if isinstance(raw[0], str) else 0
+        texts, prompts = await generation.off_loop(size, self._tokenize, body)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
         for ids in prompts:
             self.model.check_prompt(ids, max_tokens, "prompt")
@@ -78,4 +84,4 @@ class Completions:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return stream_response(generation.run(self.engine, rid, prompts, params), params.stop, render,
                                chunk_envelope(rid, "text_completion", created, self.model.name),
-                               sum(len(p) for p in prompts) if include_usage else None)
+                               sum(len(p) for p in prompts) if include_usage else None, self.on_error)

@@ -1,11 +1,12 @@
 """One HTTP request fanned out to engine requests (one per prompt; the engine forks ``n`` samples itself) and their
 outputs merged back, with the engine's failures turned into API errors and every unfinished request aborted when
-the caller leaves early."""
+the caller leaves early; and :func:`off_loop` for the request's own CPU work (tokenizing a large body)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -14,6 +15,18 @@ from spinwheel.server.async_engine import AsyncEngine, EngineDeadError, EngineSt
 from spinwheel.server.protocol import APIError
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+INLINE_WORK = 2048  # characters (or token ids) tokenized on the event loop itself: ~3 ms with the built-in tokenizer
+
+T = TypeVar("T")
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread when its input is large (``size`` characters or token ids), so that one
+    big body does not stall every other connection; inline when small, where the thread hop would cost more. The
+    HF tokenizers release the GIL while they work, so the event loop keeps running meanwhile."""
+    if size <= INLINE_WORK:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _api_error(e: BaseException) -> BaseException:
@@ -29,17 +42,22 @@ def _api_error(e: BaseException) -> BaseException:
 async def run(engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams
               ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run one engine request per prompt concurrently; yield (prompt index, cumulative output) as they come.
-    Leaving early aborts every unfinished request."""
-    queue: asyncio.Queue = asyncio.Queue()
+    Leaving early aborts every unfinished request.
+
+    The merge queue holds one item: while the caller does not take outputs (its client reads slowly), each
+    prompt's reader waits with one output in hand and the engine's mailbox keeps only the latest, so a request
+    holds O(prompts) outputs at most."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
     done: set[int] = set()
 
     async def pump(i: int) -> None:
         try:
             async for out in engine.generate(f"{request_id}-{i}", prompts[i], params):
                 await queue.put((i, out))
-        except BaseException as e:
-            await queue.put((i, e))
+        except asyncio.CancelledError:
             raise
+        except Exception as e:  # handed to the caller, which raises it
+            await queue.put((i, e))
 
     tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
     try:

@@ -8,11 +8,13 @@ latency are observed from the engine thread after every step (:meth:`ServerMetri
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from spinwheel.engine import LLMEngine, RequestOutput
+from spinwheel.server.transport import ConnectionStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -43,6 +45,26 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _ServerCollector:
+    """The server's own state, read at scrape time: unread outputs and what the connection guard did."""
+
+    def __init__(self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]
+                 ) -> None:
+        self.unread_outputs, self.connections = unread_outputs, connections
+
+    def collect(self):
+        yield GaugeMetricFamily("spinwheel_unread_outputs", "Requests whose latest output waits for a slow client.",
+                                value=self.unread_outputs())
+        num_open, stats = self.connections()
+        yield GaugeMetricFamily("spinwheel_open_connections", "Open HTTP connections.", value=num_open)
+        closed = CounterMetricFamily("spinwheel_connections_closed", "Connections the server closed, by reason.",
+                                     labels=["reason"])
+        for reason, value in (("refused", stats.num_refused), ("evicted", stats.num_evicted),
+                              ("header_timeout", stats.num_header_timeouts), ("write_stall", stats.num_write_stalls)):
+            closed.add_metric([reason], value)
+        yield closed
+
+
 class ServerMetrics:
     """The server's registry. ``observe_step`` runs on the engine thread only (it alone touches
     ``_last_token``); prometheus_client's metrics are thread-safe for the scrape from the event loop."""
@@ -64,6 +86,14 @@ class ServerMetrics:
         self.step_time = Histogram("spinwheel_engine_step_seconds", "Duration of one engine step.",
                                    buckets=_LATENCY_BUCKETS, registry=r)
         self._last_token: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens generated) at last step
+
+    def watch(self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]
+              ) -> None:
+        """Report the server's own state too (called once the async engine and the connection guard exist)."""
+        self.registry.register(_ServerCollector(unread_outputs, connections))  # type: ignore[arg-type]
+
+    def count_error(self, status: int) -> None:
+        self.http_errors.labels(str(status)).inc()
 
     def observe_step(self, outputs: list[RequestOutput], step_s: float) -> None:
         """Latencies from one step's outputs: a request's first tokens give its TTFT, each later step that adds

@@ -19,16 +19,26 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What a request is checked against: the name clients send, the vocabulary and the context length."""
+    """What a request is checked against: the name clients send, the vocabulary, the context length and the most
+    sequences (prompts x n) one request may start."""
 
     name: str
     vocab_size: int
     max_model_len: int
+    max_sequences_per_request: int = 1024
 
     def check_name(self, model: str) -> None:
         if model != self.name:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.name}'",
                            type="not_found_error", param="model", code="model_not_found")
+
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """Checked before anything is tokenized, so that an oversized batch costs the server nothing."""
+        if num_prompts * n > self.max_sequences_per_request:
+            raise APIError(400, f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                                f"sequences; this server allows at most {self.max_sequences_per_request} per request "
+                                f"(spinwheel serve --max-sequences-per-request)", param="prompt" if num_prompts > 1
+                           else "n", code="too_many_sequences")
 
     def check_token_ids(self, ids: list[int], param: str, what: str = "token id") -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -66,7 +76,7 @@ class ServedModel:
                 min_p=body.min_p, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                 seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
-                max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens), ignore_eos=body.ignore_eos,
+                max_tokens=max_tokens, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
                 logprobs=logprobs)
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=(field_names or {}).get(e.param, e.param)) from None

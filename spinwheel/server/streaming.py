@@ -8,14 +8,18 @@ a stop string (and an incomplete UTF-8 character, decoded as U+FFFD) are held ba
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from spinwheel.engine import CompletionOutput, RequestOutput
-from spinwheel.server.protocol import APIError
+from spinwheel.server.protocol import APIError, internal_error
+
+logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -52,17 +56,21 @@ def _new_text(c: CompletionOutput, sent: _Sent, stop: list[str]) -> tuple[str, i
 
 
 async def deltas(outputs: AsyncIterator[tuple[int, RequestOutput]], stop: list[str]) -> AsyncIterator[Delta]:
-    """One :class:`Delta` per choice of every (prompt index, cumulative output) from ``outputs``."""
+    """One :class:`Delta` per unfinished choice of every (prompt index, cumulative output) from ``outputs``: a
+    choice that finished early gets no more deltas while its siblings run on."""
     sent: dict[tuple[int, int], _Sent] = {}
-    async for i, out in outputs:
-        for c in out.outputs:
-            first = (i, c.index) not in sent
-            st = sent.setdefault((i, c.index), _Sent())
-            text, end = _new_text(c, st, stop)
-            finish = c.finish_reason if c.finished and not st.finished else None
-            yield Delta(i, c, text, st.tokens, st.chars, finish, first)
-            st.chars, st.tokens = end, len(c.token_ids)
-            st.finished = st.finished or c.finished
+    async with aclosing(outputs):  # closed with this generator: the engine requests are aborted at once
+        async for i, out in outputs:
+            for c in out.outputs:
+                first = (i, c.index) not in sent
+                st = sent.setdefault((i, c.index), _Sent())
+                if st.finished:
+                    continue  # its last delta went out; the others' outputs still carry it
+                text, end = _new_text(c, st, stop)
+                finish = c.finish_reason if c.finished and not st.finished else None
+                yield Delta(i, c, text, st.tokens, st.chars, finish, first)
+                st.chars, st.tokens = end, len(c.token_ids)
+                st.finished = st.finished or c.finished
 
 
 def sse(obj: dict) -> str:
@@ -71,26 +79,33 @@ def sse(obj: dict) -> str:
 
 def stream_response(outputs: AsyncIterator[tuple[int, RequestOutput]], stop: list[str],
                     render: Callable[[Delta], list[dict]], envelope: Callable[..., dict],
-                    usage_prompt_tokens: int | None) -> StreamingResponse:
+                    usage_prompt_tokens: int | None, on_error: Callable[[int], None]) -> StreamingResponse:
     """The SSE response of one request. ``render`` turns a delta into the choice objects to send (one chunk each;
     none to skip it); ``envelope(choices, **extra)`` wraps choices into the endpoint's chunk object. With
     ``usage_prompt_tokens`` set (the client asked for ``stream_options.include_usage``) a last chunk without
-    choices carries the token counts."""
+    choices carries the token counts. A failure after the 200 went out becomes an error event before
+    ``[DONE]``, counted by ``on_error(status)``; an unexpected one is logged and reported as a 500 error object."""
 
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
         try:
-            async for d in deltas(outputs, stop):
-                for choice in render(d):
-                    yield sse(envelope([choice]))
-                if d.finish_reason is not None:
-                    completion_tokens += len(d.output.token_ids)
+            async with aclosing(deltas(outputs, stop)) as stream:
+                async for d in stream:
+                    for choice in render(d):
+                        yield sse(envelope([choice]))
+                    if d.finish_reason is not None:
+                        completion_tokens += len(d.output.token_ids)
             if usage_prompt_tokens is not None:
                 yield sse(envelope([], usage={"prompt_tokens": usage_prompt_tokens,
                                               "completion_tokens": completion_tokens,
                                               "total_tokens": usage_prompt_tokens + completion_tokens}))
         except APIError as e:
+            on_error(e.status)
             yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the catch-all: the client gets an error object, the log the trace
+            logger.exception("streaming a response failed")
+            on_error(500)
+            yield sse(internal_error(e).body())
         yield DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")
