@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class SamplingParamsError(ValueError):
+    """An invalid setting; ``param`` names the field (the server reports it in the error object)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded.
@@ -18,7 +26,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 (vLLM's spelling) = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # HF/CTRL: seen tokens (prompt + output): positive logits / p, negative * p
     presence_penalty: float = 0.0  # OpenAI: subtract once for every output token seen
@@ -42,32 +50,29 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
-            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        # Range checks are written so that NaN fails them (NaN compares false to everything).
+        _check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+               f"top_k must be an integer >= 1, or 0 or -1 for off, got {self.top_k!r}")
+        _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0, "repetition_penalty",
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(-2 <= getattr(self, name) <= 2, name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if self.use_beam_search and (self.temperature != 0 and self.temperature != 1.0):
-            raise ValueError("beam search is deterministic: leave temperature at its default")
+            _check(value is None or (isinstance(value, int) and value >= 0), name,
+                   f"{name} must be None or an integer >= 0, got {value!r}")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        _check(not self.use_beam_search or self.temperature in (0, 1.0), "temperature",
+               "beam search is deterministic: leave temperature at its default")
 
     @property
     def greedy(self) -> bool:
@@ -76,3 +81,8 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamsError(param, message)

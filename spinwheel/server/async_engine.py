@@ -3,8 +3,11 @@
 :class:`~spinwheel.engine.LLMEngine` is synchronous and not thread-safe, and one ``step`` is a model forward that
 would block an event loop. So the engine lives on one dedicated thread that owns it outright: request handlers
 post ``add`` / ``abort`` commands to a queue, the thread applies them between steps, runs ``step`` while any request
-is unfinished, and hands each :class:`RequestOutput` back to the handler's asyncio queue with
+is unfinished, and hands each :class:`RequestOutput` to the request's mailbox on the event loop with
 ``call_soon_threadsafe``. The event loop never waits on the model.
+
+Outputs are cumulative, so a request's mailbox keeps only the latest: a handler that reads slowly (its client
+does) gets fewer, larger deltas, and one request holds at most one unread output however far behind it falls.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from spinwheel.engine import LLMEngine, RequestOutput, SamplingParams
 
@@ -30,13 +32,39 @@ class EngineStepError(RuntimeError):
     """One engine step raised; the requests in it were aborted and the engine keeps serving."""
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """One request's mailbox on the event loop: the latest unread output (or the error that ended it)."""
+
+    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.owner, self.loop = owner, loop
+        self.latest: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+        self.closed = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """From the engine thread."""
+        self.loop.call_soon_threadsafe(self._offer, item)
+
+    def _offer(self, item: RequestOutput | BaseException) -> None:
+        if self.closed or isinstance(self.latest, BaseException):
+            return  # nobody reads any more, or a failure already ended the request
+        if self.latest is None:
+            self.owner.num_unread_outputs += 1
+        self.latest = item  # supersedes an unread output: it holds everything that one did
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        item, self.latest = self.latest, None
+        self.ready.clear()
+        self.owner.num_unread_outputs -= 1
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self.latest is not None:
+            self.owner.num_unread_outputs -= 1
+            self.latest = None
+        self.closed = True
 
 
 class AsyncEngine:
@@ -53,6 +81,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.num_step_errors = 0
+        self.num_unread_outputs = 0  # requests whose latest output waits for its handler (event-loop side)
         self._thread = threading.Thread(target=self._run, name="spinwheel-engine", daemon=True)
         self._thread.start()
 
@@ -72,12 +101,12 @@ class AsyncEngine:
         loop early (a client that disconnected, a cancelled task) aborts the request and frees its blocks."""
         if not self.alive:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(self, asyncio.get_running_loop())
         self._post(("add", request_id, prompt, params, stream))
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -85,6 +114,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            stream.close()
             if not finished:
                 self.abort(request_id)
 

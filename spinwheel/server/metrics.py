@@ -1,15 +1,20 @@
 """Prometheus metrics of the server (names after vLLM's, prefixed ``spinwheel_``).
 
 Engine state (running / waiting / swapped requests, KV usage, preemptions, prefix-cache hit rate, token counters)
-is read from the engine when ``/metrics`` is scraped; latencies are observed per request as it finishes.
+is read from the engine when ``/metrics`` is scraped; step time, time to first token, inter-token and end-to-end
+latency are observed from the engine thread after every step (:meth:`ServerMetrics.observe_step`).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from spinwheel.engine import LLMEngine
+from spinwheel.engine import LLMEngine, RequestOutput
+from spinwheel.server.transport import ConnectionStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -40,7 +45,30 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _ServerCollector:
+    """The server's own state, read at scrape time: unread outputs and what the connection guard did."""
+
+    def __init__(self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]
+                 ) -> None:
+        self.unread_outputs, self.connections = unread_outputs, connections
+
+    def collect(self):
+        yield GaugeMetricFamily("spinwheel_unread_outputs", "Requests whose latest output waits for a slow client.",
+                                value=self.unread_outputs())
+        num_open, stats = self.connections()
+        yield GaugeMetricFamily("spinwheel_open_connections", "Open HTTP connections.", value=num_open)
+        closed = CounterMetricFamily("spinwheel_connections_closed", "Connections the server closed, by reason.",
+                                     labels=["reason"])
+        for reason, value in (("refused", stats.num_refused), ("evicted", stats.num_evicted),
+                              ("header_timeout", stats.num_header_timeouts), ("write_stall", stats.num_write_stalls)):
+            closed.add_metric([reason], value)
+        yield closed
+
+
 class ServerMetrics:
+    """The server's registry. ``observe_step`` runs on the engine thread only (it alone touches
+    ``_last_token``); prometheus_client's metrics are thread-safe for the scrape from the event loop."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))  # type: ignore[arg-type]
@@ -57,3 +85,32 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.step_time = Histogram("spinwheel_engine_step_seconds", "Duration of one engine step.",
                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self._last_token: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens generated) at last step
+
+    def watch(self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]
+              ) -> None:
+        """Report the server's own state too (called once the async engine and the connection guard exist)."""
+        self.registry.register(_ServerCollector(unread_outputs, connections))  # type: ignore[arg-type]
+
+    def count_error(self, status: int) -> None:
+        self.http_errors.labels(str(status)).inc()
+
+    def observe_step(self, outputs: list[RequestOutput], step_s: float) -> None:
+        """Latencies from one step's outputs: a request's first tokens give its TTFT, each later step that adds
+        tokens an inter-token gap, its last output the finish reason and end-to-end time."""
+        self.step_time.observe(step_s)
+        now = time.monotonic()
+        for out in outputs:
+            num = sum(len(o.token_ids) for o in out.outputs)
+            last = self._last_token.get(out.request_id)
+            if num and (last is None or num > last[1]):
+                if last is not None:
+                    self.itl.observe(now - last[0])
+                elif "first_token_time" in out.metrics:
+                    self.ttft.observe(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+                self._last_token[out.request_id] = (now, num)
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+                reason = out.outputs[0].finish_reason if out.outputs else ("error" if out.error else "abort")
+                self.requests.labels(reason or "abort").inc()
+                self.e2e.observe(out.metrics.get("finish_time", now) - out.metrics["arrival_time"])

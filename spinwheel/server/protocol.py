@@ -1,15 +1,26 @@
 """OpenAI API request bodies (the subset spinwheel serves) and OpenAI-style errors.
 
 Fields follow the OpenAI reference for ``/v1/completions`` and ``/v1/chat/completions``; unknown fields are accepted
-and ignored, as OpenAI's own server does with newer client fields. Type and range checks happen here so that bad
-input becomes a 400 with ``{"error": {"message", "type", "param", "code"}}`` before it reaches the engine.
+and ignored, as OpenAI's own server does with newer client fields. Bad input becomes a 400 with
+``{"error": {"message", "type", "param", "code"}}`` before it reaches the engine. Each rule lives in one place:
+
+- here, the wire: each field's JSON type, required fields, text that is valid Unicode (JSON can spell a lone
+  surrogate such as ``"\\ud800"``, which no tokenizer or UTF-8 encoder takes), and the server's caps on what one
+  request may ask for (``n <= MAX_N``, ``logprobs <= MAX_LOGPROBS``, at most ``MAX_STOP`` non-empty stop strings,
+  and OpenAI's own bounds ``temperature <= 2``, ``repetition_penalty <= 10``, a seed in ``[0, 2**63)``);
+- :class:`~spinwheel.engine.SamplingParams`, what a value means to the decoder (``n >= 1``, ``temperature >= 0``,
+  ``top_p`` in (0, 1], ``max_tokens >= 1``, ...), the same rules for offline callers;
+- ``params.py``, what needs the model: token ids inside the vocabulary, prompt plus ``max_tokens`` inside the
+  context.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -28,30 +39,75 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def internal_error(e: BaseException) -> APIError:
+    """What a client is told about a failure nobody anticipated (the server logs the traceback)."""
+    return APIError(500, f"internal server error ({type(e).__name__}); the server log has the details",
+                    type="server_error", code="internal_error")
+
+
+def invalid_text_path(data: Any) -> str | None:
+    """Where in parsed JSON a string (value or key) is not valid Unicode, as ``"messages.0.content"``; None when
+    all are. The common case costs one C-speed serialisation; only a body that fails it is walked."""
+    try:
+        json.dumps(data, ensure_ascii=False, skipkeys=True, default=str).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[str, Any]] = [("", data)]  # iterative: JSON may nest deeper than Python's recursion limit
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((f"{path}.{k}" if path else str(k), k))
+                stack.append((f"{path}.{k}" if path else str(k), v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields accepted (and ignored), every string valid Unicode."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = invalid_text_path(data)
+        if path is not None:
+            # the path, not the text: an error message must never quote what cannot be encoded
+            raise PydanticCustomError("invalid_unicode", "{param}: text is not valid Unicode (a lone surrogate)",
+                                      {"param": path.encode("ascii", "backslashreplace").decode()})
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="allow")
-
     model: StrictStr
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1 = off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM extension
+    n: StrictInt = Field(1, le=MAX_N)
+    max_tokens: StrictInt | None = None
+    temperature: float = Field(1.0, le=2.0)
+    top_p: float = 1.0
+    top_k: StrictInt = 0  # vLLM extension; 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, le=10.0)  # vLLM extension
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: StrictInt = 0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -71,7 +127,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
@@ -85,11 +141,18 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict[str, Any]] | None = None
+    content: StrictStr | list[ContentPart] | None = None
 
     def text(self) -> str:
         """Plain text content (the text parts of a content list joined)."""
@@ -99,15 +162,41 @@ class ChatMessage(BaseModel):
             return self.content
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.type != "text" or part.text is None:
                 raise APIError(400, "only text content parts are supported", param="messages")
-            parts.append(part["text"])
+            parts.append(part.text)
         return "".join(parts)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    top_logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)
+    max_completion_tokens: StrictInt | None = None
     add_generation_prompt: StrictBool = True  # vLLM extension
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered as ``/v1/chat/completions``
+    renders them. ``add_special_tokens`` defaults to true for a prompt and false for messages (the template writes
+    its own), as in vLLM."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -10,27 +11,34 @@ from pathlib import Path
 from spinwheel.config import option
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server.app import OpenAIServer
+from spinwheel.server.limits import ServerLimits, fit_connections_to_fd_limit
+from spinwheel.server.logs import install_repeat_filter
+from spinwheel.server.middleware import check_api_key
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(ServerLimits):
     """OpenAI-compatible HTTP server."""
 
     model: str = option("runs/demo/checkpoint", help="HF checkpoint directory or built-in preset to serve")
     host: str = option("127.0.0.1", help="address to bind (loopback unless told otherwise)")
     port: int = option(8000, help="TCP port")
-    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes "
-                                            "(default: $SPINWHEEL_API_KEY if set)")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "
+                                            "/detokenize (default: $SPINWHEEL_API_KEY if set)")
     served_model_name: str | None = option(None, help="model id clients send (default: the --model directory's "
                                                       "name, or the preset name)")
     max_body_mb: float = option(1.0, help="largest accepted request body, MiB (larger: HTTP 413)")
     log_level: str = option("info", help="uvicorn log level")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_body_mb <= 0:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+
+    def limits(self) -> ServerLimits:
+        return ServerLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerLimits)})
 
 
 def model_name(config: ServeConfig) -> str:
@@ -41,21 +49,28 @@ def model_name(config: ServeConfig) -> str:
 
 
 def build_server(config: ServeConfig, engine_config: EngineConfig | None = None) -> OpenAIServer:
-    engine = LLMEngine.from_pretrained(config.model, engine_config or EngineConfig())
     api_key = config.api_key or os.environ.get("SPINWHEEL_API_KEY")
-    return OpenAIServer(engine, model_name(config), api_key, int(config.max_body_mb * (1 << 20)))
+    check_api_key(api_key)  # before the checkpoint loads: a key no client can send is a startup error
+    engine = LLMEngine.from_pretrained(config.model, engine_config or EngineConfig())
+    return OpenAIServer(engine, model_name(config), api_key, int(config.max_body_mb * (1 << 20)), config.limits())
 
 
 def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> None:
     import uvicorn
 
+    max_connections, note = fit_connections_to_fd_limit(config.max_connections)
+    if note:
+        print(f"spinwheel serve: {note}", flush=True)
+    config = dataclasses.replace(config, max_connections=max_connections)
     server = build_server(config, engine_config)
     s = server.engine.stats()
     print(f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
           f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; "
           f"http://{config.host}:{config.port}/v1", flush=True)
+    uvicorn_config = server.uvicorn_config(config.host, config.port, config.log_level)  # configures logging
+    install_repeat_filter(config.log_repeat_interval_s)
     try:
-        uvicorn.run(server.app, host=config.host, port=config.port, log_level=config.log_level)
+        uvicorn.Server(uvicorn_config).run()
     finally:
         server.shutdown()
 
@@ -73,7 +88,7 @@ class BackgroundServer:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
         self.server, self.host, self.port = server, host, port
-        self._uvicorn = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="warning"))
+        self._uvicorn = uvicorn.Server(server.uvicorn_config(host, port, "warning"))
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
 
     @property

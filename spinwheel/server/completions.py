@@ -1,0 +1,87 @@
+"""``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` choices per prompt, ``echo``,
+``logprobs``; a JSON response or a server-sent-event stream. Choice ``i * n + j`` is sample ``j`` of prompt ``i``."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from spinwheel.engine import CompletionOutput
+from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.server import generation
+from spinwheel.server.async_engine import AsyncEngine
+from spinwheel.server.logprobs import completion_logprobs
+from spinwheel.server.params import DEFAULT_MAX_TOKENS, ServedModel
+from spinwheel.server.protocol import APIError, CompletionRequest
+from spinwheel.server.streaming import Delta, chunk_envelope, stream_response
+
+
+class Completions:
+    def __init__(self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine,
+                 on_error: Callable[[int], None]) -> None:
+        self.model, self.tokenizer, self.engine, self.on_error = model, tokenizer, engine, on_error
+
+    def _tokenize(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
+        """The prompts' texts (None for token-id prompts) and token ids."""
+        raw = body.prompt
+        if isinstance(raw, str):
+            return [raw], [self.tokenizer.encode(raw)]
+        if isinstance(raw[0], str):
+            return list(raw), self.tokenizer.encode_batch(list(raw))  # type: ignore[arg-type]
+        if isinstance(raw[0], int):
+            return [None], [list(raw)]  # type: ignore[arg-type]
+        return [None] * len(raw), [list(p) for p in raw]  # type: ignore[union-attr]
+
+    async def __call__(self, body: CompletionRequest, request: Request) -> Response:
+        self.model.check_name(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        raw = body.prompt
+        num_prompts = 1 if isinstance(raw, str) or isinstance(raw[0], int) else len(raw)
+        self.model.check_num_sequences(num_prompts, body.n)
+        size = len(raw) if isinstance(raw, str) else sum(len(p) for p in raw) if isinstance(raw[0], str) else 0
+        texts, prompts = await generation.off_loop(size, self._tokenize, body)
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+        for ids in prompts:
+            self.model.check_prompt(ids, max_tokens, "prompt")
+        params = self.model.sampling_params(body, max_tokens, body.logprobs)
+        rid = f"cmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+
+        def prefix(i: int) -> str:
+            if not body.echo:
+                return ""
+            return texts[i] if texts[i] is not None else self.tokenizer.decode(prompts[i])  # type: ignore
+
+        def choice(i: int, c: CompletionOutput, text: str, start_token: int, start_char: int,
+                   finish: str | None) -> dict:
+            lp = None
+            if body.logprobs is not None and c.logprobs is not None:
+                lp = completion_logprobs(self.tokenizer, c.token_ids[start_token:], c.logprobs[start_token:],
+                                         start_char)
+            return {"index": i * body.n + c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        if not body.stream:
+            outs = await generation.collect(self.engine, request, rid, prompts, params)
+            choices = [choice(i, c, prefix(i) + c.text, 0, len(prefix(i)), c.finish_reason)
+                       for i, out in enumerate(outs) for c in out.outputs]
+            choices.sort(key=lambda ch: ch["index"])
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                                 "model": self.model.name, "choices": choices,
+                                 "usage": generation.usage(prompts, outs)})
+
+        def render(d: Delta) -> list[dict]:
+            echoed = prefix(d.prompt_index) if d.first else ""
+            if not d.text and not echoed and d.finish_reason is None and d.output.logprobs is None:
+                return []
+            return [choice(d.prompt_index, d.output, echoed + d.text, d.start_token, d.start_char,
+                           d.finish_reason)]
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return stream_response(generation.run(self.engine, rid, prompts, params), params.stop, render,
+                               chunk_envelope(rid, "text_completion", created, self.model.name),
+                               sum(len(p) for p in prompts) if include_usage else None, self.on_error)

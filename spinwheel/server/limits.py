@@ -1,0 +1,64 @@
+"""What one client may hold or ask for. Every field is a ``spinwheel serve`` option (through :class:`ServeConfig`,
+which extends this class); the defaults are safe against slow and greedy clients: a few hundred thousand
+half-open connections, unread streams or giant batch bodies leave the server answering others."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+from spinwheel.config import option
+
+FD_RESERVE = 128  # descriptors kept for the model files, the listening socket, logs and the runtime
+
+
+@dataclass
+class ServerLimits:
+    """Connection and request limits."""
+
+    max_connections: int = option(
+        1024, help="open HTTP connections at most; at the cap a new connection replaces the one that has waited "
+                   "longest for its request headers, or is refused with 503 (kept below `ulimit -n`)")
+    header_timeout_s: float = option(
+        10.0, help="seconds a connection may take to send a request's headers, from connecting or from the "
+                   "previous response (slower connections are closed: slowloris)")
+    body_timeout_s: float = option(30.0, help="seconds a client may take to send a request body (slower: 408)")
+    stall_timeout_s: float = option(
+        30.0, help="seconds a client may leave its response unread before it is disconnected and its request "
+                   "aborted (its KV blocks freed)")
+    send_buffer_kb: int = option(
+        256, help="kernel send buffer per connection, KiB: bounds what a client that stops reading pins in the "
+                  "kernel before the stall timeout starts (0: the OS's autotuning, up to MBs per connection)")
+    max_sequences_per_request: int = option(
+        1024, help="prompts x n in one request at most (more: HTTP 400)")
+    log_repeat_interval_s: float = option(
+        10.0, help="a repeated warning or error is logged once per interval, with the number suppressed")
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_sequences_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.send_buffer_kb < 0:
+            raise ValueError(f"--send-buffer-kb must be >= 0, got {self.send_buffer_kb}")
+        for name in ("header_timeout_s", "body_timeout_s", "stall_timeout_s", "log_repeat_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+
+
+def fit_connections_to_fd_limit(max_connections: int) -> tuple[int, str | None]:
+    """``max_connections`` that this process can hold open: the soft ``RLIMIT_NOFILE`` is raised toward the hard
+    limit when needed, and the cap lowered (with a note saying so) when even that is too small."""
+    need = max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections, None
+    fitted = max(1, soft - FD_RESERVE)
+    return fitted, (f"--max-connections lowered from {max_connections} to {fitted}: this process may open "
+                    f"{soft} file descriptors (ulimit -n)")

@@ -1,0 +1,179 @@
+"""Slowloris and friends (issue 12, item 7): half-sent headers and bodies are cut off after their timeouts, the
+connection cap keeps descriptors bounded while normal requests are still answered, and a flood of one log line is
+rate-limited. ``SPINWHEEL_SLOWLORIS=5000`` runs the half-open test with that many connections (a manual run)."""
+
+import logging
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import spinwheel
+from spinwheel.engine import EngineConfig, LLMEngine
+from spinwheel.server import BackgroundServer, OpenAIServer
+from spinwheel.server.limits import ServerLimits
+from spinwheel.server.logs import RepeatFilter
+from test_server import MODEL, _model
+
+HALF_OPEN = int(os.environ.get("SPINWHEEL_SLOWLORIS", "300"))
+HEADER_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _num_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture(scope="module")
+def serve_process():
+    """The real command in its own process, so that its descriptors can be counted apart from the clients'."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spinwheel.cli", "serve", "--model", "test", "--port", str(port),
+                             "--engine-num-kv-blocks", "16", "--log-level", "warning",
+                             "--header-timeout-s", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    yield proc, port, url
+    proc.terminate()
+    out, _ = proc.communicate(timeout=20)
+    assert len(out) < 100_000, out[-2000:]  # no flood in the log
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        while data := sock.recv(4096):
+            if not data:
+                break
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: closed too
+        return True
+
+
+def test_half_open_connections_neither_starve_requests_nor_exhaust_descriptors(serve_process):
+    proc, port, url = serve_process
+    base_fds = _num_fds(proc.pid)
+    socks, opened = [], []
+    for _ in range(HALF_OPEN):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never finished
+        s.setblocking(False)
+        socks.append(s)
+        opened.append(time.monotonic())
+    try:
+        latencies = []
+        for _ in range(10):  # normal clients, each on a fresh connection, while the half-open ones are held
+            t0 = time.perf_counter()
+            r = httpx.get(url + "/v1/models", timeout=5)
+            latencies.append(time.perf_counter() - t0)
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "test"
+        assert max(latencies) < 1.0, latencies
+        fds = _num_fds(proc.pid)
+        assert fds <= base_fds + MAX_CONNECTIONS + 16, (fds, base_fds)
+        # every half-open connection is closed by the server, at the latest after the header timeout
+        sel = selectors.DefaultSelector()
+        for s in socks:
+            sel.register(s, selectors.EVENT_READ)
+        open_socks, closed_at = set(socks), {}
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 10
+        while open_socks and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=0.2):
+                if key.fileobj in open_socks and _closed_by_server(key.fileobj):
+                    open_socks.discard(key.fileobj)
+                    sel.unregister(key.fileobj)
+                    closed_at[key.fileobj] = time.monotonic()
+        assert not open_socks, f"{len(open_socks)} of {HALF_OPEN} half-open connections still open"
+        # the newest ones (never evicted) lived out the header timeout, no longer than a few seconds past it
+        last = socks[-(MAX_CONNECTIONS // 2):]
+        lives = [closed_at[s] - t for s, t in zip(last, opened[-len(last):])]
+        assert min(lives) > HEADER_TIMEOUT_S * 0.9 and max(lives) < HEADER_TIMEOUT_S + 8, (min(lives), max(lives))
+        assert _num_fds(proc.pid) <= base_fds + 16
+        metrics = httpx.get(url + "/metrics").text
+        assert 'spinwheel_connections_closed_total{reason="header_timeout"}' in metrics
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_connections_over_the_cap_evict_the_oldest_waiting_one_or_are_refused():
+    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    limits = ServerLimits(max_connections=4, header_timeout_s=30)
+    with BackgroundServer(OpenAIServer(engine, MODEL, limits=limits)) as bs:
+        waiting = []
+        for _ in range(4):
+            s = socket.create_connection((bs.host, bs.port))
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            waiting.append(s)
+        time.sleep(0.2)
+        assert httpx.get(bs.url + "/health", timeout=5).status_code == 200  # replaces the oldest waiting one
+        waiting[0].settimeout(5)
+        assert waiting[0].recv(100) == b""  # evicted
+        guard = bs.server.guard
+        assert guard.stats.num_evicted >= 1 and len(guard.open) <= 4
+        for s in waiting:
+            s.close()
+
+
+def test_a_body_that_never_completes_gets_408():
+    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    with BackgroundServer(OpenAIServer(engine, MODEL, limits=ServerLimits(body_timeout_s=0.5))) as bs:
+        s = socket.create_connection((bs.host, bs.port))
+        s.settimeout(10)
+        t0 = time.monotonic()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n{\"model\": ")
+        reply = b""
+        while chunk := s.recv(4096):  # the server closes after answering
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+        assert 0.4 < time.monotonic() - t0 < 5
+        s.close()
+        assert httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}
+                          ).status_code == 200
+
+
+def test_repeated_log_lines_are_rate_limited():
+    now = [0.0]
+    repeat = RepeatFilter(interval_s=10, clock=lambda: now[0])
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    handler.addFilter(repeat)
+    log = logging.getLogger("test_repeat")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.DEBUG)
+    try:
+        for i in range(1000):
+            log.error("socket.accept() out of system resource\nsocket: <fd=%d>", i)
+            log.info("request %d", i)  # below WARNING: never filtered
+            now[0] += 0.001
+        log.warning("something else")
+        now[0] += 10
+        log.error("socket.accept() out of system resource\nsocket: <fd=%d>", 5)
+    finally:
+        log.removeHandler(handler)
+    errors = [m for m in records if m.startswith("socket.accept()")]
+    assert len(errors) == 2 and "[999 more like this" in errors[1]
+    assert sum(m.startswith("request ") for m in records) == 1000 and "something else" in records
