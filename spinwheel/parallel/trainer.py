@@ -98,7 +98,7 @@ class ParallelTrainer:
         """Gradients of the global loss, then clip, weight decay and the optimizer step (see the module docstring)."""
         if self.optimizer is None:
             raise ParallelError("this trainer is frozen (built without an optimizer): it can only run forward()")
-        loss, stats = self.forward_backward(batch, loss_fn, entropy=entropy)
+        loss, stats = self.loss_backward(batch, loss_fn, entropy=entropy)
         if self.max_grad_norm is not None:
             self.grad_norm = self.clip_grad_norm_(self.max_grad_norm)
         if self.weight_decay:
@@ -135,8 +135,13 @@ class ParallelTrainer:
         return token_outputs(out, mb["labels"], self.dims.tp_axis, self.dims.comm, scalar_head=self.scalar_head,
                              entropy=entropy)
 
-    def forward_backward(self, batch: Batch, loss_fn: LossFn, *, entropy: bool = False
-                         ) -> tuple[float, dict[str, float]]:
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> float:
+        """Gradients of the token-mean NLL (no optimizer step); returns the global loss."""
+        weights = loss_mask.float() / loss_mask.sum().clamp(min=1).float()
+        return self.loss_backward({"input_ids": input_ids, "labels": labels, "weights": weights}, nll_loss)[0]
+
+    def loss_backward(self, batch: Batch, loss_fn: LossFn, *, entropy: bool = False
+                      ) -> tuple[float, dict[str, float]]:
         """Gradients of the global loss, reduced as the layout needs; returns the global loss and stats."""
         dims, pm = self.dims, self.pm
         mbs = self._local_microbatches(batch)
