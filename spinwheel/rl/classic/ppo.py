@@ -6,23 +6,20 @@ global gradient clipping, learning-rate annealing and the approx-KL early stop.
 
 Data parallel: every rank draws the same minibatch permutation of the *global* rollout and keeps the samples
 it holds; each loss term is scaled by ``n_local / n_minibatch`` and the gradients are summed over ranks, so
-each optimizer step equals the one-process step on the same minibatch (see ``distributed.py``).
+each optimizer step equals the one-process step on the same minibatch (see ``data_parallel.py``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from spinwheel.rl.classic.baseline import normalize_advantages
 from spinwheel.rl.classic.buffer import Batch
-from spinwheel.rl.classic.distributed import DataParallel
+from spinwheel.rl.classic.config import ClassicConfig
+from spinwheel.rl.classic.data_parallel import DataParallel
 from spinwheel.rl.classic.optim import FlatAdam
 from spinwheel.rl.classic.policies import ActorCritic
 from spinwheel.rl.losses import entropy_loss, ppo_clip_loss, value_loss
-
-if TYPE_CHECKING:
-    from spinwheel.rl.classic.train import ClassicConfig
 
 
 class PPO:
@@ -54,8 +51,7 @@ class PPO:
 
                 advantages = batch.advantages[idx]
                 if cfg.norm_adv:
-                    mean, std = dp.mean_std(advantages)
-                    advantages = (advantages - mean.float()) / (std.float() + 1e-8)
+                    advantages = normalize_advantages(advantages, dp)
                 optimizer.zero_grad()
                 minibatch_stats = torch.zeros(6)
                 if share > 0:  # a rank may hold none of a small minibatch; it still joins the sum

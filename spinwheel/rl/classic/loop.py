@@ -1,0 +1,130 @@
+"""The classic-control training loop: rollout → update per iteration, then evaluation and the saved outputs.
+
+One loop serves VPG, TRPO and PPO: collect ``num_steps`` steps from ``num_envs`` environments, compute
+GAE-λ advantages and value targets, hand the batch to the algorithm's ``update``. Under ``torchrun`` each rank
+steps its block of the environments and the updates sum gradients over ranks (``data_parallel.py``); rank 0
+writes the outputs. With a fixed seed a run is reproducible, and a data-parallel run takes the same steps as
+a one-process run with the same ``num_envs``.
+
+Outputs in ``out_dir``: ``metrics.jsonl`` (one line per update, then an ``eval`` line), ``learning_curve.png``,
+``policy.pt`` (state dict, observation statistics and config; see :func:`~spinwheel.rl.classic.outputs.load_policy`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from spinwheel.rl.classic.buffer import Batch
+from spinwheel.rl.classic.config import ClassicConfig
+from spinwheel.rl.classic.data_parallel import DataParallel
+from spinwheel.rl.classic.envs import VecEnv, evaluate_policy
+from spinwheel.rl.classic.outputs import plot_learning_curve, save_policy
+from spinwheel.rl.classic.policies import ActorCritic
+from spinwheel.rl.classic.ppo import PPO
+from spinwheel.rl.classic.rollout import RolloutCollector
+from spinwheel.rl.classic.trpo import TRPO
+from spinwheel.rl.classic.vpg import VPG
+from spinwheel.rl.losses import explained_variance
+
+ALGORITHMS = {"ppo": PPO, "trpo": TRPO, "vpg": VPG}
+
+
+def train(config: ClassicConfig) -> dict:
+    """Train, evaluate deterministically, save; returns the final figures (``eval_return_mean`` …).
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calls this; rank 0 writes the outputs.
+    """
+    dp = DataParallel.launch(config.dist_timeout_s)
+    try:
+        return _train(config, dp)
+    finally:
+        dp.close()
+
+
+def _train(config: ClassicConfig, dp: DataParallel) -> dict:
+    torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    env_slice = dp.shard(config.num_envs)
+    envs = VecEnv(config.env, env_slice.stop - env_slice.start, config.seed, env_offset=env_slice.start)
+    policy = ActorCritic(envs.single_observation_space, envs.single_action_space, config.hidden_sizes,
+                         config.activation)
+    algorithm = ALGORITHMS[config.algo](policy, config, dp)
+    rollout = RolloutCollector(config, dp, envs, policy)
+    shuffle_generator = torch.Generator().manual_seed(config.seed + 2)
+
+    out_dir = Path(config.out_dir)
+    metrics_file = None
+    if dp.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(out_dir / "metrics.jsonl", "w")
+    history: list[dict] = []
+    bar = tqdm(total=config.num_updates * config.rollout_size, unit="step", dynamic_ncols=True,
+               disable=not (config.progress and dp.is_main), desc=f"{config.algo} {config.env}")
+    start, start_cpu = time.perf_counter(), time.process_time()
+    env_steps = 0
+    try:
+        for update in range(config.num_updates):
+            batch, returns, lengths = rollout.collect()
+            lr_scale = 1.0 - update / config.num_updates if config.anneal_lr else 1.0
+            stats = algorithm.update(batch, config.num_envs, shuffle_generator, lr_scale)
+            env_steps += config.rollout_size
+            episodes = dp.sum(torch.tensor([sum(returns), float(len(returns)), float(sum(lengths))],
+                                           dtype=torch.float64))
+            elapsed = time.perf_counter() - start
+            record = {
+                "update": update + 1, "env_steps": env_steps, "time_s": round(elapsed, 3),
+                "env_steps_per_s": env_steps / elapsed,
+                "episodes": int(episodes[1].item()),
+                "episode_return_mean": (episodes[0] / episodes[1]).item() if episodes[1] > 0 else None,
+                "episode_length_mean": (episodes[2] / episodes[1]).item() if episodes[1] > 0 else None,
+                "explained_variance": _explained_variance(batch, dp), "lr_scale": lr_scale, **stats,
+            }
+            history.append(record)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(record) + "\n")
+            bar.update(config.rollout_size)
+            if record["episode_return_mean"] is not None:
+                bar.set_postfix(ret=f"{record['episode_return_mean']:.1f}", refresh=False)
+        bar.close()
+        train_seconds = time.perf_counter() - start
+        train_cpu_seconds = time.process_time() - start_cpu
+
+        result = {"algo": config.algo, "env": config.env, "seed": config.seed, "env_steps": env_steps,
+                  "train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds,
+                  "env_steps_per_s": env_steps / max(train_seconds, 1e-9), "world_size": dp.world_size}
+        eval_figures = torch.full((2,), float("nan"), dtype=torch.float64)
+        if dp.is_main:
+            eval_returns = evaluate_policy(policy, config.env, config.eval_episodes, seed=config.seed + 1_000_000,
+                                           obs_rms=rollout.obs_rms,
+                                           clip_obs=config.clip_obs if config.normalize_obs else None)
+            if eval_returns:
+                eval_figures = torch.tensor([np.mean(eval_returns), np.std(eval_returns)], dtype=torch.float64)
+            result["eval_returns"] = eval_returns
+        eval_figures = dp.broadcast(eval_figures)
+        result["eval_return_mean"], result["eval_return_std"] = eval_figures.tolist()
+        if dp.is_main:
+            assert metrics_file is not None
+            metrics_file.write(json.dumps({"eval": result}) + "\n")
+            save_policy(policy, rollout.obs_rms, config, out_dir / "policy.pt")
+            plot_learning_curve(history, out_dir / "learning_curve.png",
+                                title=f"{config.algo} {config.env} seed {config.seed}",
+                                final=(result["eval_return_mean"], result["eval_return_std"]))
+            result["out_dir"] = str(out_dir)
+        return result
+    finally:
+        bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+        envs.close()
+
+
+def _explained_variance(batch: Batch, dp: DataParallel) -> float:
+    """How well the rollout-time values ``(B,)`` predict the value targets, over every rank's samples."""
+    values, returns = dp.gather(batch.values).double(), dp.gather(batch.returns).double()
+    return explained_variance(values, returns).item()
