@@ -24,7 +24,7 @@ ALGO_DEFAULTS: dict[str, dict[str, object]] = {
 
 @dataclass
 class ClassicConfig:
-    """Policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment."""
+    """Policy-gradient RL (VPG / TRPO / PPO-clip / PPO-penalty) on a gymnasium environment."""
 
     algo: Literal["vpg", "trpo", "ppo"] = option("ppo", help="algorithm")
     env: str = option("CartPole-v1", help="gymnasium environment id (flat Box observations)")
@@ -45,10 +45,15 @@ class ClassicConfig:
     minibatch_size: int | None = option(None, help="samples per minibatch (ppo 64, trpo 128, vpg 256)")
     norm_adv: bool = option(True, help="normalise advantages (per minibatch for ppo, per rollout otherwise)")
     max_grad_norm: float | None = option(None, help="clip the global gradient norm (ppo 0.5, else off; 0: off)")
-    clip_range: float = option(0.2, help="ppo: ratio clip ε")
+    ppo_variant: Literal["clip", "penalty"] = option("clip", help="ppo: clipped surrogate, or KL penalty with an "
+                                                     "adaptive β (Schulman et al. 2017, §4)")
+    clip_range: float = option(0.2, help="ppo clip: ratio clip ε")
     clip_range_vf: float | None = option(None, help="ppo: clip value predictions to ±this around old values")
     ent_coef: float = option(0.0, help="ppo: entropy bonus coefficient")
     vf_coef: float = option(0.5, help="ppo: value loss coefficient")
+    penalty_beta: float = option(1.0, help="ppo penalty: initial KL coefficient β")
+    penalty_kl_target: float = option(0.01, help="ppo penalty: KL target d_targ; after each update β halves below "
+                                                 "d_targ/1.5 and doubles above 1.5·d_targ (0: β fixed)")
     target_kl: float | None = option(None, help="ppo: stop the update when approx-KL exceeds 1.5 × this")
     max_kl: float = option(0.01, help="trpo: KL radius δ")
     cg_iters: int = option(10, help="trpo: conjugate-gradient iterations")
@@ -91,6 +96,11 @@ class ClassicConfig:
             (self.algo == "trpo" or self.lr > 0, f"lr must be > 0 for {self.algo}, got {self.lr}"),
             (self.vf_lr > 0, f"vf_lr must be > 0, got {self.vf_lr}"),
             (self.clip_range > 0, f"clip_range must be > 0, got {self.clip_range}"),
+            (self.ppo_variant in ("clip", "penalty"), f"ppo_variant must be 'clip' or 'penalty', got "
+                                                       f"{self.ppo_variant!r}"),
+            (self.algo == "ppo" or self.ppo_variant == "clip", f"ppo_variant applies to --algo ppo, not {self.algo}"),
+            (self.penalty_beta > 0, f"penalty_beta must be > 0, got {self.penalty_beta}"),
+            (self.penalty_kl_target >= 0, f"penalty_kl_target must be ≥ 0, got {self.penalty_kl_target}"),
             (self.clip_range_vf is None or self.clip_range_vf > 0, "clip_range_vf must be > 0 or None"),
             (self.target_kl is None or self.target_kl > 0, "target_kl must be > 0 or None"),
             (self.max_kl > 0, f"max_kl (δ) must be > 0, got {self.max_kl}"),
