@@ -4,35 +4,59 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pickle
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spinwheel.rl.classic.config import ClassicConfig
-from spinwheel.rl.classic.envs import RunningMeanStd
+from spinwheel.rl.classic.envs import RunningMeanStd, evaluate_policy, make_env
 from spinwheel.rl.classic.policies import ActorCritic
 
 
 def save_policy(policy: ActorCritic, obs_rms: RunningMeanStd | None, config: ClassicConfig, path: Path) -> None:
+    """Write ``policy.pt`` through a temporary file, so an interrupted save never leaves half a file behind."""
+    partial = path.with_name(path.name + ".partial")
     torch.save({"state_dict": policy.state_dict(), "obs_rms": None if obs_rms is None else obs_rms.state_dict(),
-                "config": dataclasses.asdict(config)}, path)
+                "config": dataclasses.asdict(config)}, partial)
+    os.replace(partial, path)
 
 
 def load_policy(path: str | Path) -> tuple[ActorCritic, RunningMeanStd | None, ClassicConfig]:
-    """Rebuild the policy saved by :func:`~spinwheel.rl.classic.loop.train`, its observation statistics and config."""
-    import gymnasium as gym
+    """Rebuild the policy saved by :func:`~spinwheel.rl.classic.loop.train`, its observation statistics and config.
 
-    saved = torch.load(path, weights_only=False)
-    config = ClassicConfig(**saved["config"])
-    env = gym.make(config.env)
+    A file that is not such a ``policy.pt`` raises ``ValueError`` saying so; a missing one ``FileNotFoundError``.
+    """
+    try:
+        saved = torch.load(path, weights_only=False)
+        config = ClassicConfig(**saved["config"])
+        state_dict = saved["state_dict"]
+    except FileNotFoundError:
+        raise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a policy.pt written by spinwheel classic ({type(e).__name__}: {e})") from e
+    env = make_env(config.env)
     policy = ActorCritic(env.observation_space, env.action_space, config.hidden_sizes, config.activation)
     env.close()
-    policy.load_state_dict(saved["state_dict"])
+    policy.load_state_dict(state_dict)
     obs_rms = None
     if saved["obs_rms"] is not None:
         obs_rms = RunningMeanStd()
         obs_rms.load_state_dict(saved["obs_rms"])
     return policy, obs_rms, config
+
+
+def evaluate_saved(path: str | Path, num_episodes: int) -> dict:
+    """Deterministic returns of a saved ``policy.pt`` on the run's own evaluation episodes (seeds
+    ``seed + 1_000_000 + k``), so a finished run reproduces the figure it reported."""
+    policy, obs_rms, config = load_policy(path)
+    returns = evaluate_policy(policy, config.env, num_episodes, seed=config.seed + 1_000_000, obs_rms=obs_rms,
+                              clip_obs=config.clip_obs if obs_rms is not None else None)
+    return {"env": config.env, "algo": config.algo, "eval_returns": returns,
+            "eval_return_mean": float(np.mean(returns)) if returns else float("nan"),
+            "eval_return_std": float(np.std(returns)) if returns else float("nan")}
 
 
 def plot_learning_curve(history: list[dict], path: Path, title: str, final: tuple[float, float] | None = None) -> None:
