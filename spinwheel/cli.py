@@ -142,11 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device"})
     from spinwheel.server.serve import ServeConfig
 
-    from spinwheel.rl.classic import ClassicConfig
+    from spinwheel.rl.classic import command as classic_command
 
     p = sub.add_parser("classic", help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
-                       description="VPG, TRPO or PPO on a gymnasium environment (torchrun for data parallel)")
-    add_arguments(p, ClassicConfig)
+                       description="VPG, TRPO, PPO-clip or PPO-penalty (--ppo-variant) on a gymnasium environment "
+                                   "(torchrun for data parallel); --eval PATH evaluates a saved policy.pt")
+    classic_command.add_arguments(p)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                        description="OpenAI-compatible HTTP server on the paged-attention engine")
     add_arguments(p, ServeConfig)
@@ -175,11 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
             run_generate(from_args(GenerateConfig, ns), from_args(EngineConfig, ns, prefix="engine-"))
         elif ns.command == "classic":
-            from spinwheel.rl.classic import ClassicConfig, train
+            from spinwheel.rl.classic import command as classic_command
 
-            result = train(from_args(ClassicConfig, ns))
-            if "eval_return_mean" in result and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 reports
-                print(f"evaluation: return {result['eval_return_mean']:.1f} ± {result.get('eval_return_std', 0):.1f}")
+            return classic_command.run(ns)
         elif ns.command == "serve":
             from spinwheel.engine import EngineConfig
             from spinwheel.server.serve import ServeConfig, serve

@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.rl.classic import ClassicConfig, load_policy, train
 from spinwheel.rl.classic.buffer import RolloutBuffer
-from spinwheel.rl.classic.distributed import DataParallel
+from spinwheel.rl.classic.data_parallel import DataParallel
 from spinwheel.rl.classic.envs import RunningMeanStd, VecEnv, evaluate_policy
 from spinwheel.rl.classic.optim import FlatAdam
 from spinwheel.rl.classic.policies import ActorCritic
@@ -217,7 +218,7 @@ def test_config_defaults_per_algorithm_and_validation_messages():
     with pytest.raises(ValueError, match="max_kl"):
         quiet(algo="trpo", max_kl=0.0)
     with pytest.raises(ValueError, match="multiple of the number of processes"):
-        DataParallel(rank=0, world_size=3).shard(4)
+        DataParallel(ParallelDims(dp_replicate=3, world_size=3)).shard(4)
 
 
 def test_config_becomes_command_line_options():

@@ -19,6 +19,23 @@ import torch
 from torch import Tensor
 
 
+MUJOCO_INSTALL = 'pip install -e ".[mujoco]"'
+
+
+def make_env(env_id: str) -> gym.Env:
+    """``gym.make(env_id)``, with gymnasium's registry and dependency errors turned into a ``ValueError`` whose
+    one-line message names the fix (the command prints it instead of a traceback)."""
+    try:
+        return gym.make(env_id)
+    except gym.error.DependencyNotInstalled as e:
+        if "mujoco" in str(e).lower():
+            raise ValueError(f"{env_id} needs MuJoCo, which is not installed; run {MUJOCO_INSTALL}") from e
+        raise ValueError(f"{env_id} needs a package that is not installed: {e}") from e
+    except gym.error.Error as e:
+        raise ValueError(f"unknown gymnasium environment {env_id!r}: {e} (list the ids with "
+                         "python -c 'import gymnasium; gymnasium.pprint_registry()')") from e
+
+
 class RunningMeanStd:
     """Mean and variance of a stream of batches, in float64: ``update`` with ``(B, *shape)`` batches."""
 
@@ -103,7 +120,7 @@ class VecEnv:
 
     def __init__(self, env_id: str, num_envs: int, seed: int, env_offset: int = 0):
         self.num_envs = num_envs
-        self.envs = [gym.make(env_id) for _ in range(num_envs)]
+        self.envs = [make_env(env_id) for _ in range(num_envs)]
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
         self._seeds = [seed + env_offset + i for i in range(num_envs)]
@@ -159,7 +176,7 @@ def evaluate_policy(policy, env_id: str, num_episodes: int, seed: int, obs_rms: 
 
     Episode ``k`` starts from ``reset(seed=seed + k)``; the observation statistics are frozen.
     """
-    env = gym.make(env_id)
+    env = make_env(env_id)
     box = isinstance(env.action_space, gym.spaces.Box)
     returns = []
     for k in range(num_episodes):

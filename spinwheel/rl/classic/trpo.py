@@ -10,20 +10,16 @@ rollout's states. ``line_search=False`` gives the natural policy gradient: the K
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
+from spinwheel.rl.classic.baseline import fit_value, normalize_advantages
 from spinwheel.rl.classic.buffer import Batch
-from spinwheel.rl.classic.distributed import DataParallel
+from spinwheel.rl.classic.config import ClassicConfig
+from spinwheel.rl.classic.data_parallel import DataParallel
 from spinwheel.rl.classic.optim import FlatAdam
 from spinwheel.rl.classic.policies import ActorCritic
-from spinwheel.rl.classic.vpg import fit_value, normalized_advantages
 from spinwheel.rl.trpo import trust_region_step
-
-if TYPE_CHECKING:
-    from spinwheel.rl.classic.train import ClassicConfig
 
 
 class TRPO:
@@ -37,7 +33,7 @@ class TRPO:
     def update(self, batch: Batch, num_envs: int, generator: torch.Generator, lr_scale: float) -> dict[str, float]:
         cfg, dp, actor = self.config, self.dp, self.policy.actor
         self.critic_optimizer.lr = cfg.vf_lr * lr_scale
-        advantages = normalized_advantages(batch, dp) if cfg.norm_adv else batch.advantages
+        advantages = normalize_advantages(batch.advantages, dp) if cfg.norm_adv else batch.advantages
         share = 1.0 / dp.world_size  # each closure returns this rank's share of the global mean
         with torch.no_grad():
             pd_old = actor(batch.obs)

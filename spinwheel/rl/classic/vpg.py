@@ -5,57 +5,20 @@ Spinning Up's VPG: one policy-gradient step per rollout, then the value function
 discounted reward-to-go.
 
 Data parallel: the loss of each rank is its share of the global mean and the gradients are summed over ranks
-(see ``distributed.py``); advantages are normalised with the global mean and std.
+(see ``data_parallel.py``); advantages are normalised with the global mean and std.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import Tensor, nn
 
+from spinwheel.rl.classic.baseline import fit_value, normalize_advantages
 from spinwheel.rl.classic.buffer import Batch
-from spinwheel.rl.classic.distributed import DataParallel
+from spinwheel.rl.classic.config import ClassicConfig
+from spinwheel.rl.classic.data_parallel import DataParallel
 from spinwheel.rl.classic.optim import FlatAdam
 from spinwheel.rl.classic.policies import ActorCritic
-from spinwheel.rl.losses import policy_gradient_loss, value_loss
-
-if TYPE_CHECKING:
-    from spinwheel.rl.classic.train import ClassicConfig
-
-
-def fit_value(critic: nn.Module, optimizer: FlatAdam, obs: Tensor, targets: Tensor, epochs: int,
-              minibatch_size: int, num_envs: int, generator: torch.Generator, dp: DataParallel) -> float:
-    """Regress ``critic(obs)`` on ``targets`` by MSE: ``epochs`` passes of shuffled minibatches.
-
-    ``obs`` / ``targets`` are this rank's flattened rollout; minibatches are drawn over the global rollout.
-    Returns the mean loss of the last epoch.
-    """
-    num_samples = obs.shape[0] * dp.world_size
-    last = torch.zeros(())
-    for _ in range(epochs):
-        perm = torch.randperm(num_samples, generator=generator)
-        epoch_loss, count = torch.zeros(()), 0
-        for start in range(0, num_samples, minibatch_size):
-            global_idx = perm[start:start + minibatch_size]
-            idx = dp.local_indices(global_idx, num_envs)
-            optimizer.zero_grad()
-            if idx.numel() > 0:
-                loss, _ = value_loss(critic(obs[idx]).squeeze(-1), targets[idx])
-                share = idx.numel() / global_idx.numel()
-                (loss * share).backward()
-                epoch_loss += loss.detach() * share
-            dp.sum_(optimizer.grad)
-            optimizer.step()
-            count += 1
-        last = epoch_loss / count
-    return dp.sum(last).item()
-
-
-def normalized_advantages(batch: Batch, dp: DataParallel) -> Tensor:
-    mean, std = dp.mean_std(batch.advantages)
-    return (batch.advantages - mean.float()) / (std.float() + 1e-8)
+from spinwheel.rl.losses import policy_gradient_loss
 
 
 class VPG:
@@ -70,7 +33,7 @@ class VPG:
         cfg, dp = self.config, self.dp
         self.actor_optimizer.lr = cfg.lr * lr_scale
         self.critic_optimizer.lr = cfg.vf_lr * lr_scale
-        advantages = normalized_advantages(batch, dp) if cfg.norm_adv else batch.advantages
+        advantages = normalize_advantages(batch.advantages, dp) if cfg.norm_adv else batch.advantages
         share = 1.0 / dp.world_size  # every rank holds the same number of samples
         pd = self.policy.actor(batch.obs)
         log_probs = self.policy.actor.log_prob(pd, batch.actions)

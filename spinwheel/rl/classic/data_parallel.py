@@ -1,7 +1,10 @@
-"""Data parallelism for the classic-control trainers: one gloo process group, gradients summed each update.
+"""Data parallelism for the classic-control trainers: environments split over ranks, gradients summed each update.
 
-A stop-gap until the project's parallel layer (``spinwheel.parallel``) lands; the trainers only use the
-methods of :class:`DataParallel`, so it can be swapped for that layer's object.
+Start-up and collectives are :mod:`spinwheel.parallel`'s: :func:`~spinwheel.parallel.launch.init_distributed`
+joins the group torchrun describes (gloo: these tensors live on the CPU), a
+:class:`~spinwheel.parallel.mesh.ParallelDims` whose data-parallel axis is the whole world names the group, and
+its :class:`~spinwheel.parallel.comm.Comm` runs the collectives (counted, with timeouts). What stays here is the
+classic trainers' own bookkeeping: which environments a rank steps and which samples of a global minibatch it holds.
 
 Convention (it makes data parallelism exact rather than approximate): every rank computes its share of a
 *global* mean, i.e. its local sum divided by the global sample count, and shares are **summed** across ranks.
@@ -12,42 +15,53 @@ same minibatch, whatever the split.
 
 from __future__ import annotations
 
-import datetime
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spinwheel.parallel.comm import Comm
+from spinwheel.parallel.launch import destroy_distributed, init_distributed
+from spinwheel.parallel.mesh import Axis, ParallelDims, ParallelError
+
 
 @dataclass
 class DataParallel:
-    """Rank and world size of a data-parallel group; with ``world_size == 1`` every method is a no-op."""
+    """The data-parallel axis of ``dims``; with one process every collective is a local no-op (same code path)."""
 
-    rank: int = 0
-    world_size: int = 1
+    dims: ParallelDims = field(default_factory=ParallelDims)
     owns_group: bool = False
 
-    @classmethod
-    def from_torchrun_env(cls, timeout_s: float = 300.0) -> DataParallel:
-        """Join the group torchrun describes in ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` (gloo backend).
+    def __post_init__(self) -> None:
+        if self.dims.dp != self.dims.world_size:
+            raise ParallelError(f"classic RL is data parallel only; got tp={self.dims.tp}, pp={self.dims.pp}")
 
-        Without those variables (a plain ``python`` run) this is a one-process group.
-        """
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    @classmethod
+    def launch(cls, timeout_s: float = 300.0) -> DataParallel:
+        """Join the group torchrun describes (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``); one process without."""
+        initialised = dist.is_available() and dist.is_initialized()
+        _, world_size = init_distributed("gloo", timeout_s=timeout_s)
         if world_size == 1:
             return cls()
-        rank = int(os.environ["RANK"])
-        if dist.is_initialized():
-            return cls(rank=dist.get_rank(), world_size=dist.get_world_size())
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(rank=rank, world_size=world_size, owns_group=True)
+        dims = ParallelDims.create(dp_replicate=world_size, dp_shard=1, timeout_s=timeout_s, comm=Comm(timeout_s))
+        return cls(dims, owns_group=not initialised)
+
+    @property
+    def rank(self) -> int:
+        return self.dims.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def axis(self) -> Axis:
+        return self.dims.dp_axis
 
     def shard(self, num_items: int) -> slice:
         """The contiguous block of ``num_items`` (e.g. environments) this rank holds."""
@@ -62,14 +76,19 @@ class DataParallel:
         if self.world_size == 1:
             return x
         out = x.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        self.dims.comm.all_reduce(out, self.axis)
         return out
 
     def sum_(self, x: Tensor) -> Tensor:
         """Sum ``x`` over ranks in place (e.g. a flat gradient buffer: one collective for all parameters)."""
-        if self.world_size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        self.dims.comm.all_reduce(x, self.axis)
         return x
+
+    def gather(self, x: Tensor) -> Tensor:
+        """Every rank's ``x`` ``(n, ...)`` concatenated in rank order: ``(world_size * n, ...)``."""
+        if self.world_size == 1:
+            return x
+        return torch.cat(self.dims.comm.all_gather_list(x.detach(), self.axis))
 
     def local_indices(self, indices: Tensor, num_envs: int) -> Tensor:
         """This rank's part of a global index set over a ``(T, num_envs)`` time-major rollout.
@@ -99,11 +118,10 @@ class DataParallel:
 
     def broadcast(self, x: Tensor) -> Tensor:
         """Rank 0's ``x`` on every rank (in place)."""
-        if self.world_size > 1:
-            dist.broadcast(x, src=0)
+        self.dims.comm.broadcast(x, self.axis, src=0)
         return x
 
     def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.owns_group:
+            destroy_distributed()
             self.owns_group = False

@@ -1,0 +1,84 @@
+"""What a run leaves behind: ``policy.pt`` (weights, observation statistics, config) and ``learning_curve.png``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spinwheel.rl.classic.config import ClassicConfig
+from spinwheel.rl.classic.envs import RunningMeanStd, evaluate_policy, make_env
+from spinwheel.rl.classic.policies import ActorCritic
+
+
+def save_policy(policy: ActorCritic, obs_rms: RunningMeanStd | None, config: ClassicConfig, path: Path) -> None:
+    """Write ``policy.pt`` through a temporary file, so an interrupted save never leaves half a file behind."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save({"state_dict": policy.state_dict(), "obs_rms": None if obs_rms is None else obs_rms.state_dict(),
+                "config": dataclasses.asdict(config)}, partial)
+    os.replace(partial, path)
+
+
+def load_policy(path: str | Path) -> tuple[ActorCritic, RunningMeanStd | None, ClassicConfig]:
+    """Rebuild the policy saved by :func:`~spinwheel.rl.classic.loop.train`, its observation statistics and config.
+
+    A file that is not such a ``policy.pt`` raises ``ValueError`` saying so; a missing one ``FileNotFoundError``.
+    """
+    try:
+        saved = torch.load(path, weights_only=False)
+        config = ClassicConfig(**saved["config"])
+        state_dict = saved["state_dict"]
+    except FileNotFoundError:
+        raise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a policy.pt written by spinwheel classic ({type(e).__name__}: {e})") from e
+    env = make_env(config.env)
+    policy = ActorCritic(env.observation_space, env.action_space, config.hidden_sizes, config.activation)
+    env.close()
+    policy.load_state_dict(state_dict)
+    obs_rms = None
+    if saved["obs_rms"] is not None:
+        obs_rms = RunningMeanStd()
+        obs_rms.load_state_dict(saved["obs_rms"])
+    return policy, obs_rms, config
+
+
+def evaluate_saved(path: str | Path, num_episodes: int) -> dict:
+    """Deterministic returns of a saved ``policy.pt`` on the run's own evaluation episodes (seeds
+    ``seed + 1_000_000 + k``), so a finished run reproduces the figure it reported."""
+    policy, obs_rms, config = load_policy(path)
+    returns = evaluate_policy(policy, config.env, num_episodes, seed=config.seed + 1_000_000, obs_rms=obs_rms,
+                              clip_obs=config.clip_obs if obs_rms is not None else None)
+    return {"env": config.env, "algo": config.algo, "eval_returns": returns,
+            "eval_return_mean": float(np.mean(returns)) if returns else float("nan"),
+            "eval_return_std": float(np.std(returns)) if returns else float("nan")}
+
+
+def plot_learning_curve(history: list[dict], path: Path, title: str, final: tuple[float, float] | None = None) -> None:
+    """Mean training-episode return per update against environment steps (Agg canvas, no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    points = [(h["env_steps"], h["episode_return_mean"]) for h in history if h["episode_return_mean"] is not None]
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if points:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, label="training episodes")
+    if final is not None and history and not math.isnan(final[0]):
+        ax.errorbar([history[-1]["env_steps"]], [final[0]], yerr=[final[1]], fmt="o", capsize=4,
+                    label="deterministic eval")
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel("episode return")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
