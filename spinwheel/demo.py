@@ -30,15 +30,16 @@ class DemoConfig:
 
     out_dir: str = option("runs/demo", help="where sft/ and grpo/ are written (replaced if a previous demo's)")
     sft_steps: int = option(300, help="SFT optimizer steps (short on purpose: GRPO needs headroom)")
-    grpo_steps: int = option(1500, help="GRPO rollout steps (8 prompts × 8 completions each)")
-    grpo_lr: float = option(5e-5, help="GRPO learning rate (constant)")
+    grpo_steps: int = option(600, help="GRPO rollout steps")
+    grpo_prompts: int = option(32, help="GRPO prompts per step (8 completions each)")
+    grpo_lr: float = option(1e-4, help="GRPO learning rate (constant)")
     eval_examples: int = option(500, help="held-out problems per evaluation")
     seed: int = option(0, help="seed of the model init, the data order and the samples")
     num_threads: int = option(0, help="torch CPU threads (0: PyTorch's default)")
     progress: bool = option(True, help="show progress bars")
 
     def __post_init__(self) -> None:
-        for name in ("sft_steps", "grpo_steps", "eval_examples"):
+        for name in ("sft_steps", "grpo_steps", "grpo_prompts", "eval_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.grpo_lr <= 0:
@@ -79,9 +80,11 @@ def run_demo(config: DemoConfig) -> dict:
     sft = train_sft(SFTConfig(out_dir=str(out / "sft"), steps=config.sft_steps, eval_every=0,
                               save_every=0, **common))
     sft_ckpt = out / "sft" / "checkpoint"
-    print(f"spinwheel demo: 2/2 GRPO from {sft_ckpt}, {config.grpo_steps} steps of 8 prompts × 8 samples")
+    print(f"spinwheel demo: 2/2 GRPO from {sft_ckpt}, {config.grpo_steps} steps of {config.grpo_prompts} prompts × 8 "
+          "samples")
     grpo = train_rl(RLConfig(algo="grpo", model=str(sft_ckpt), out_dir=str(out / "grpo"), steps=config.grpo_steps,
-                             lr=config.grpo_lr, eval_every=0, save_every=500, **common))
+                             prompts_per_step=config.grpo_prompts, group_size=8, lr=config.grpo_lr, eval_every=0,
+                             save_every=100, **common))
     before, after_sft, after_grpo = (sft["eval_before"]["exact_match"], sft["eval_after"]["exact_match"],
                                      grpo["eval_after"])
     print(f"\nheld-out exact match ({config.eval_examples} problems never trained on): random init {before:.1%} -> "
