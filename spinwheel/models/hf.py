@@ -4,6 +4,10 @@
 A scalar-head model (``num_labels == 1``, a reward model) is written as HF's ``*ForSequenceClassification``: its
 output layer ``lm_head`` is stored as ``score.weight`` and read back from it.
 
+Saved with its tokenizer, a checkpoint carries the special-token ids (``bos_token_id``, ``eos_token_id``,
+``pad_token_id``) in ``config.json`` and a ``generation_config.json``, so ``transformers``' ``generate`` stops at
+EOS as spinwheel's engine does. Files are written with the modes the umask gives (safetensors writes 0600).
+
 Loading asserts every key and shape (as nanoGPT's ``from_pretrained`` does): a missing, unexpected or mis-shaped
 tensor raises :class:`CheckpointError` naming the key and what was expected.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -20,6 +25,9 @@ from safetensors.torch import save_file
 
 from spinwheel.models.config import ConfigError, ModelConfig
 from spinwheel.models.transformer import Transformer, rope_inv_freq
+
+if TYPE_CHECKING:
+    from spinwheel.models.tokenizer import Tokenizer
 
 _HF_PREFIX = "model."
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -100,13 +108,16 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def load_model(path_or_preset: str | os.PathLike, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, seed: int = 0, vocab_size: int | None = None
                ) -> Transformer:
-    """Load a checkpoint directory, or build a built-in preset (``tiny``, ``small``, ``test``) with random weights.
+    """Load a checkpoint directory or a Hugging Face Hub id (through the local HF cache, see
+    :mod:`~spinwheel.models.hub`), or build a built-in preset (``tiny``, ``small``, ``test``) with random weights.
 
     ``dtype`` defaults to the checkpoint's ``torch_dtype``; presets use ``vocab_size`` (default: the built-in char
     tokenizer's) and ``seed``.
     """
+    from spinwheel.models.hub import resolve_model_path
     from spinwheel.models.presets import PRESETS, preset_config
 
+    path_or_preset = resolve_model_path(path_or_preset)
     path = Path(path_or_preset)
     if str(path_or_preset) in PRESETS and not path.exists():
         if vocab_size is None:
@@ -148,13 +159,55 @@ def load_model(path_or_preset: str | os.PathLike, dtype: str | torch.dtype | Non
     return model.to(dtype=target)
 
 
-def save_pretrained(model: Transformer, path: str | os.PathLike, shard_size_bytes: int | None = None) -> None:
-    """Write ``config.json`` and safetensors (sharded when ``shard_size_bytes`` is set and exceeded)."""
+def current_umask() -> int:
+    """The process umask, read from ``/proc`` where it can be (``os.umask`` can only read it by setting it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open``/``mkdir`` would have (0666 / 0777 less the umask): temporary
+    directories and safetensors files start private."""
+    base = 0o777 if Path(path).is_dir() else 0o666
+    os.chmod(path, base & ~current_umask())
+
+
+def special_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for ``config.json``: the config's own where set, else
+    the tokenizer's; EOS is every id either names (a chat model may end turns with a token other than its
+    config's EOS)."""
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else (
+        [] if config.eos_token_id is None else [config.eos_token_id])
+    if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos:
+        eos = [tokenizer.eos_id, *eos]
+    tok = {"bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id} if tokenizer is not None else {}
+    return {"bos_token_id": config.bos_token_id if config.bos_token_id is not None else tok.get("bos_token_id"),
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": config.pad_token_id if config.pad_token_id is not None else tok.get("pad_token_id")}
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, shard_size_bytes: int | None = None,
+                    tokenizer: Tokenizer | None = None) -> None:
+    """Write ``config.json``, ``generation_config.json`` and safetensors (sharded when ``shard_size_bytes`` is set
+    and exceeded), and ``tokenizer``'s files when given (its special-token ids then go into both configs)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config
     config.torch_dtype = str(model.dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+    ids = special_token_ids(config, tokenizer)
+    (path / "config.json").write_text(json.dumps({**config.to_hf_dict(), **ids}, indent=2, sort_keys=True) + "\n")
+    if config.num_labels is None and any(v is not None for v in ids.values()):  # a scalar head generates nothing
+        generation = {k: v for k, v in ids.items() if v is not None}
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
@@ -166,6 +219,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, shard_size_byte
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if shard_size_bytes is None or total <= shard_size_bytes:
         save_file(tensors, str(path / "model.safetensors"), metadata=metadata)
+        apply_umask(path / "model.safetensors")
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -180,6 +234,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, shard_size_byte
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / name), metadata=metadata)
+        apply_umask(path / name)
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -156,8 +156,11 @@ class Tokenizer:
 
 
 def load_tokenizer(path_or_preset: str | os.PathLike) -> Tokenizer:
-    """A checkpoint directory's tokenizer, or the built-in char tokenizer for presets / directories without one."""
-    path = Path(path_or_preset)
+    """A checkpoint directory's (or Hub id's, see :mod:`~spinwheel.models.hub`) tokenizer, or the built-in char
+    tokenizer for presets / directories without one."""
+    from spinwheel.models.hub import resolve_model_path
+
+    path = Path(resolve_model_path(path_or_preset))
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return Tokenizer.from_pretrained(path)
     return Tokenizer.char_level()

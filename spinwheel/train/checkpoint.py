@@ -1,7 +1,8 @@
 """Training checkpoints: a Hugging Face model directory (``config.json``, ``model.safetensors``, tokenizer) plus
 ``trainer_state.pt`` (step, optimizer state, RNG states), written atomically: everything goes to a temporary
 directory beside the target, which then replaces the target by rename, so a crash never leaves a half-written
-checkpoint behind."""
+checkpoint behind. The temporary directory starts private (``mkdtemp``: 0700); before the rename its modes are set
+from the umask like any directory the user creates, so colleagues on a shared filesystem can read the checkpoint."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from spinwheel.models.tokenizer import Tokenizer
-from spinwheel.models.hf import save_pretrained
+from spinwheel.models.hf import apply_umask, save_pretrained
 from spinwheel.models.transformer import Transformer
 
 STATE_FILE = "trainer_state.pt"
@@ -47,13 +48,13 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, tokenizer: Toke
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        save_pretrained(model, tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        save_pretrained(model, tmp, tokenizer=tokenizer)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE_FILE)
         if extra is not None:
             extra(tmp)
+        for p in [tmp, *tmp.rglob("*")]:
+            apply_umask(p)
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"
