@@ -1,5 +1,10 @@
 """The ``spinwheel`` command. Each subcommand's options come from a typed config dataclass
-(see :mod:`spinwheel.config`); ``spinwheel <command> --help`` documents every field."""
+(see :mod:`spinwheel.config`); ``spinwheel <command> --help`` documents every field.
+
+Bad input ends with one line, ``spinwheel <command>: error: ...``, and exit status 2; under ``torchrun`` only rank 0
+prints it (every rank reads the same options and files, so every rank fails alike). An interrupted training run
+exits with 130 (SIGINT) or 143 (SIGTERM) after its checkpoint is written.
+"""
 
 from __future__ import annotations
 
@@ -13,67 +18,120 @@ from typing import TYPE_CHECKING
 from spinwheel.config import add_arguments, from_args, option
 
 if TYPE_CHECKING:
-    from spinwheel.engine import EngineConfig
+    from spinwheel.engine import EngineConfig, SamplingParams
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.sft_config import SFTConfig
+
+DESCRIPTION = ("spinwheel: LLM post-training on PyTorch. SFT, then policy-gradient RL (GRPO, RLOO, REINFORCE++, PPO, "
+               "TRPO) on rollouts from its own paged-attention engine, on one process or under torchrun; generation "
+               "and an OpenAI-compatible server; VPG/TRPO/PPO on gymnasium. 'spinwheel COMMAND --help' lists a "
+               "command's options.")
+
+
+@dataclass
+class PlacementConfig:
+    """Where the model runs (the same options, the same defaults, for generate and serve)."""
+
+    device: str | None = option(None, help="torch device: cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
+    dtype: str | None = option(None, help="parameter dtype: float32, bfloat16, float16 (default: the checkpoint's)")
+    seed: int = option(0, help="seed of the engine's sampling (requests without a seed of their own)")
 
 
 @dataclass
 class GenerateConfig:
-    """Generate completions from a checkpoint or preset."""
+    """Complete prompts with a checkpoint, a Hub model or a preset, on the paged-attention engine."""
 
-    model: str = option("runs/demo/grpo/checkpoint", help="HF checkpoint directory or built-in preset")
+    model: str = option("runs/demo/grpo/checkpoint", help="HF checkpoint directory, Hugging Face Hub id "
+                                                          "(owner/name, through the local HF cache) or preset")
     prompt: list[str] = option(None, help="prompt(s) to complete", default_factory=lambda: ["12+34="])
-    max_tokens: int = option(32, help="max new tokens per prompt")
+    chat: bool = option(False, help="send each prompt as a user message through the tokenizer's chat template")
+    max_tokens: int = option(32, help="max new tokens per completion")
     temperature: float = option(0.0, help="sampling temperature (0: greedy)")
-    seed: int = option(0, help="sampling seed")
-    chat: bool = option(False, help="wrap each prompt as a user message with the tokenizer's chat template")
-    device: str = option("cpu", help="torch device")
-    dtype: str | None = option(None, help="parameter dtype (default: the checkpoint's)")
+    top_p: float = option(1.0, help="nucleus sampling: keep the smallest set of tokens with this much probability")
+    top_k: int = option(0, help="sample among the k most likely tokens (0: all)")
+    n: int = option(1, help="completions per prompt")
+    stop: list[str] = option(None, help="strings that end a completion (not included in it)",
+                             default_factory=list)
+
+    def sampling_params(self) -> SamplingParams:
+        from spinwheel.engine import SamplingParams
+
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              stop=list(self.stop) or None, max_tokens=self.max_tokens)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not self.prompt:
+            raise ValueError("--prompt needs at least one prompt")
+        try:
+            self.sampling_params()  # the engine's own checks, before a checkpoint loads
+        except ValueError as e:
+            param = getattr(e, "param", None)
+            raise ValueError(f"--{param.replace('_', '-')}: {e}" if param else str(e)) from None
 
 
-def run_generate(config: GenerateConfig, engine: EngineConfig | None = None) -> list[str]:
-    """Complete the prompts with the serving engine (paged KV cache, continuous batching); ``engine``: its options
-    (``--engine-*``; ``--device`` / ``--dtype`` of the command win over the engine's)."""
-    from spinwheel.engine import LLM, EngineConfig, SamplingParams
+def format_completions(prompt: str, texts: list[str]) -> str:
+    """``prompt:`` then one ``output:`` line per completion (``output i:`` when there are several); lines of
+    multi-line texts continue under the first."""
+    def block(label: str, text: str) -> str:
+        return f"{label} " + text.replace("\n", "\n" + " " * (len(label) + 1))
 
-    options = dataclasses.asdict(engine or EngineConfig())
-    options.update(dtype=config.dtype, device=config.device)
-    llm = LLM(config.model, **options)
+    labels = ["output:"] if len(texts) == 1 else [f"output {i + 1}:" for i in range(len(texts))]
+    return "\n".join([block("prompt:", prompt)] + [block(label, t) for label, t in zip(labels, texts)])
+
+
+def run_generate(config: GenerateConfig, engine: EngineConfig | None = None) -> list[list[str]]:
+    """Complete the prompts with the serving engine (``engine``: its options, placement included); prints each
+    prompt (the user's text, not the rendered chat template) and its completions; returns the completions."""
+    from spinwheel.engine import LLM, EngineConfig
+
+    llm = LLM(config.model, **dataclasses.asdict(engine or EngineConfig()))
     tokenizer = llm.tokenizer
     assert tokenizer is not None
-    if config.chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in config.prompt]
-        ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]  # the template writes BOS
+    if config.chat:  # the template writes BOS itself
+        rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in config.prompt]
+        ids = [tokenizer.encode(r, add_special_tokens=False) for r in rendered]
     else:
-        prompts = list(config.prompt)
-        ids = tokenizer.encode_batch(prompts)
-    params = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed)
+        ids = tokenizer.encode_batch(list(config.prompt))
     texts = []
-    for prompt, out in zip(prompts, llm.generate(ids, params)):
+    for i, (prompt, out) in enumerate(zip(config.prompt, llm.generate(ids, config.sampling_params()))):
         if out.error:
             raise ValueError(f"prompt {prompt!r}: {out.error}")
-        texts.append(out.outputs[0].text)
-        print(f"{prompt}{out.outputs[0].text}")
+        texts.append([c.text for c in out.outputs])
+        print(("\n" if i else "") + format_completions(prompt, texts[-1]), flush=True)
     return texts
 
 
-def _sft_parser(sub: argparse._SubParsersAction, name: str, help: str, defaults: SFTConfig) -> None:
-    p = sub.add_parser(name, help=help, description=help)
+def check_device(device: str | None) -> None:
+    """A one-line error for a device this machine or this build of PyTorch cannot use, before anything loads
+    (torch's own is an assertion deep inside the first ``.to()``)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this PyTorch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {device}: {why} (torch {torch.__version__}); use --device cpu, or put a CUDA "
+                             "build of torch into the venv (README: set-up)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+
+
+def _sft_parser(sub: argparse._SubParsersAction) -> None:
+    from spinwheel.parallel import ParallelConfig
+
+    what = "supervised fine-tuning (built-in arithmetic task or --data JSONL)"
+    p = sub.add_parser("sft", help=what, description=f"{SFTConfig.__doc__} One process, or every rank under "
+                       "torchrun with --dp/--tp/--pp/--zero/--fsdp; rerunning resumes from <out-dir>/checkpoint.")
     add_arguments(p, SFTConfig)
     add_arguments(p, ArithmeticConfig, prefix="task-")
-    if name == "sft":  # under torchrun: spinwheel sft --dp/--tp/--pp/--zero/--fsdp/...
-        from spinwheel.parallel import ParallelConfig
-
-        add_arguments(p, ParallelConfig)
-    p.set_defaults(**{f.name: getattr(defaults, f.name) for f in dataclasses.fields(SFTConfig)
-                      if f.metadata.get("cli") is not False})
+    add_arguments(p, ParallelConfig)
 
 
 def _sft_from_args(ns: argparse.Namespace) -> SFTConfig:
@@ -81,7 +139,7 @@ def _sft_from_args(ns: argparse.Namespace) -> SFTConfig:
 
     config = from_args(SFTConfig, ns)
     config.task = from_args(ArithmeticConfig, ns, prefix="task-")
-    config.parallel = from_args(ParallelConfig, ns)  # defaults (one process) where the command has no such options
+    config.parallel = from_args(ParallelConfig, ns)
     return config
 
 
@@ -99,7 +157,8 @@ def _rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
     from spinwheel.parallel import ParallelConfig
     from spinwheel.rl.llm.config import RLConfig
 
-    p = sub.add_parser(algo, help=what, description=f"{what}; torchrun for data/tensor/pipeline parallel updates")
+    p = sub.add_parser(algo, help=what, description=f"{what}; torchrun for data/tensor/pipeline parallel updates; "
+                                                    "rerunning resumes from <out-dir>/checkpoint.")
     add_arguments(p, RLConfig, skip={"algo"})
     add_arguments(p, ArithmeticConfig, prefix="task-")
     add_arguments(p, ParallelConfig)
@@ -124,73 +183,98 @@ def _run_rl(ns: argparse.Namespace) -> None:
               f"wrote {result['checkpoint']}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spinwheel", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    from spinwheel.demo import DemoConfig
+def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
+    """``--engine-*`` plus the placement options (``--device``, ``--dtype``, ``--seed``)."""
+    from spinwheel.engine import EngineConfig
 
+    placement = from_args(PlacementConfig, ns)
+    return dataclasses.replace(from_args(EngineConfig, ns, prefix="engine-"), device=placement.device,
+                               dtype=placement.dtype, seed=placement.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spinwheel import __version__
+    from spinwheel.demo import DemoConfig
+    from spinwheel.engine import EngineConfig
+    from spinwheel.rl.classic import command as classic_command
+    from spinwheel.server.serve import ServeConfig
+
+    parser = argparse.ArgumentParser(prog="spinwheel", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"spinwheel {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("demo", help="the main job: SFT then GRPO of the built-in tiny model on 2-digit addition",
                        description=DemoConfig.__doc__)
     add_arguments(p, DemoConfig)
-    _sft_parser(sub, "sft", "supervised fine-tuning (built-in arithmetic task or --data JSONL)", SFTConfig())
-    from spinwheel.engine import EngineConfig
-
+    _sft_parser(sub)
     for algo, what in _RL_COMMANDS.items():
         _rl_parser(sub, algo, what)
-    p = sub.add_parser("generate", help="complete prompts with a checkpoint")
+    p = sub.add_parser("generate", help="complete prompts with a checkpoint", description=GenerateConfig.__doc__)
     add_arguments(p, GenerateConfig)
-    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device"})
-    from spinwheel.server.serve import ServeConfig
-
-    from spinwheel.rl.classic import command as classic_command
-
+    add_arguments(p, PlacementConfig)
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"})
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+                       description="OpenAI-compatible HTTP server on the paged-attention engine.")
+    add_arguments(p, ServeConfig)
+    add_arguments(p, PlacementConfig)
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"})
     p = sub.add_parser("classic", help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
                        description="VPG, TRPO, PPO-clip or PPO-penalty (--ppo-variant) on a gymnasium environment "
                                    "(torchrun for data parallel); --eval PATH evaluates a saved policy.pt")
     classic_command.add_arguments(p)
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
-                       description="OpenAI-compatible HTTP server on the paged-attention engine")
-    add_arguments(p, ServeConfig)
-    add_arguments(p, EngineConfig, prefix="engine-")
+    sub.add_parser("launch", add_help=False, help="torchrun for spinwheel: 'spinwheel launch --nproc-per-node 2 sft "
+                   "--dp 2'; exit statuses and Ctrl-C pass through without torchrun's tracebacks")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    try:
-        if ns.command == "demo":
-            from spinwheel.demo import DemoConfig, run_demo
+def _dispatch(ns: argparse.Namespace) -> int:
+    """Run the parsed command; returns its exit status."""
+    check_device(getattr(ns, "device", None))
+    if ns.command == "demo":
+        from spinwheel.demo import DemoConfig, run_demo
 
-            run_demo(from_args(DemoConfig, ns))
-        elif ns.command == "sft":
-            from spinwheel.train.sft import train_sft
+        run_demo(from_args(DemoConfig, ns))
+    elif ns.command == "sft":
+        from spinwheel.train.sft import train_sft
 
-            result = train_sft(_sft_from_args(ns))
-            if "eval_after" in result:
-                print(f"held-out exact match: {result['eval_after']['exact_match']:.1%}")
-        elif ns.command in _RL_COMMANDS:
-            _run_rl(ns)
-        elif ns.command == "generate":
-            from spinwheel.engine import EngineConfig
+        train_sft(_sft_from_args(ns), announce=True)
+    elif ns.command in _RL_COMMANDS:
+        _run_rl(ns)
+    elif ns.command == "generate":
+        run_generate(from_args(GenerateConfig, ns), _engine_from_args(ns))
+    elif ns.command == "classic":
+        from spinwheel.rl.classic import command as classic_command
 
-            run_generate(from_args(GenerateConfig, ns), from_args(EngineConfig, ns, prefix="engine-"))
-        elif ns.command == "classic":
-            from spinwheel.rl.classic import command as classic_command
+        return classic_command.run(ns)  # its own messages and exit codes
+    elif ns.command == "serve":
+        from spinwheel.server.serve import ServeConfig, serve
 
-            return classic_command.run(ns)
-        elif ns.command == "serve":
-            from spinwheel.engine import EngineConfig
-            from spinwheel.server.serve import ServeConfig, serve
-
-            serve(from_args(ServeConfig, ns), from_args(EngineConfig, ns, prefix="engine-"))
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, FileNotFoundError, OSError) as e:
-        # Bad input (configs, checkpoints, data files): one line naming the problem, no traceback.
-        print(f"spinwheel {ns.command}: error: {e}", file=sys.stderr)
-        return 2
+        serve(from_args(ServeConfig, ns), _engine_from_args(ns))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        from spinwheel.parallel.launch import launch
+
+        return launch(argv[1:])
+    ns = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; 0 in one process
+    try:
+        return _dispatch(ns)
+    except KeyboardInterrupt as e:
+        code = getattr(e, "exit_code", 130)
+        if code == 130 and not hasattr(e, "exit_code") and rank == 0:
+            print(f"spinwheel {ns.command}: interrupted", file=sys.stderr)
+        return code
+    except (ValueError, OSError) as e:
+        # Bad input (configs, checkpoints, data files): one line naming the problem, no traceback. Under torchrun
+        # rank 0 speaks for all; a system error (disk, permissions) may be one node's, so its rank says it too.
+        node_specific = isinstance(e, OSError) and not isinstance(e, FileNotFoundError)
+        if rank == 0 or node_specific:
+            where = f" (rank {rank})" if rank else ""
+            print(f"spinwheel {ns.command}: error{where}: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

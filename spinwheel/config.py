@@ -34,6 +34,15 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+class _Flag(argparse.BooleanOptionalAction):
+    """``--flag / --no-flag`` whose help keeps the text it is given (Python < 3.14 appends its own default, which
+    would show it twice)."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=help, **kwargs)
+        self.help = help
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Collection[str] = ()) -> None:
     """Add one option per field of dataclass ``cls`` to ``parser`` (except the fields named in ``skip``, which
     :func:`from_args` then leaves at their defaults)."""
@@ -47,10 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", 
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
         help_text = f.metadata.get("help", "")
-        shown = f"{help_text} (default: {default!r})"
+        # A help text that explains its own default, or a None default (unset), shows no "(default: ...)".
+        shown = help_text if default is None or "default" in help_text else f"{help_text} (default: {default!r})"
         dest = prefix.replace("-", "_") + f.name
         if tp is bool:
-            group.add_argument(name, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=shown)
+            group.add_argument(name, dest=dest, action=_Flag, default=default, help=shown)
         elif typing.get_origin(tp) in (list, tuple):
             (inner, *_) = typing.get_args(tp) or (str,)
             group.add_argument(name, dest=dest, type=inner, nargs="*", default=default, help=shown)

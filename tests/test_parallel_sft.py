@@ -77,7 +77,7 @@ def test_torchrun_sft_resumes_exactly(tmp_path, single, capsys):
     torchrun(tmp_path, "--zero", "3")
     assert_same_run(tmp_path, single)
     # The sharded state belongs to this layout: one process refuses it with a one-line error.
-    assert main(["sft", *ARGS, "--out-dir", str(tmp_path), "--steps", "8"]) == 2
+    assert main(["sft", *ARGS, "--out-dir", str(tmp_path), "--steps", "8", "--force"]) == 2
     assert "written by a parallel run" in capsys.readouterr().err
     # And a layout that does not fit the world is a readable error, not a hang.
     assert main(["sft", *ARGS, "--out-dir", str(tmp_path / "bad"), "--tp", "2"]) == 2

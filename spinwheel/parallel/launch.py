@@ -5,13 +5,21 @@
 dead rank fails the job instead of hanging it. Without those variables it does nothing and the run is one process
 (``world_size == 1``), which every wrapper handles on the same code path. Multi-node runs use torchrun's
 rendezvous (``--nnodes``, ``--rdzv-backend c10d --rdzv-endpoint host:port``); nothing here changes.
+
+:func:`launch` (``spinwheel launch [torchrun options] COMMAND [options]``) is torchrun itself — the same elastic
+agent and options — running ``python -m spinwheel COMMAND`` on every process, except that it passes the workers'
+exit status through: torchrun's ``main`` re-raises any worker's non-zero exit as a ``ChildFailedError`` traceback
+and a Ctrl-C as a ``SignalException`` traceback, both with status 1, even when the workers said all there was to
+say in one line (a bad layout: status 2; an interrupted run that saved its checkpoint: 130).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
+import sys
 import traceback
 
 import torch
@@ -51,6 +59,44 @@ def launched_world_size() -> int:
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+QUIET_EXIT_CODES = (2, 130, 143)  # spinwheel's own: a one-line error, an interrupted run with its checkpoint
+
+
+def launch(argv: list[str]) -> int:
+    """Run ``torchrun [options] -m spinwheel COMMAND ...`` in this process; returns the exit status: 0, the first
+    failed worker's (its own one-line message already on the console; others get one line naming the rank), or
+    128 + N when this launcher got signal N (torchrun forwarded it and waited for the workers to save and exit)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    parser = get_args_parser()
+    parser.prog, parser.usage = "spinwheel launch", "spinwheel launch [torchrun options] COMMAND [options]"
+    parser.description = ("torchrun for spinwheel: starts 'python -m spinwheel COMMAND [options]' on every process "
+                          "(torchrun's options, below) and exits with the workers' status, without torchrun's "
+                          "tracebacks.")
+    for action in parser._actions:  # torchrun's positionals are the script and its arguments: here, a command
+        if action.dest in ("training_script", "training_script_args"):
+            action.metavar = "COMMAND" if action.dest == "training_script" else "OPTIONS"
+    args = parser.parse_args(argv)
+    args.training_script_args = [args.training_script, *args.training_script_args]
+    args.training_script, args.module = "spinwheel", True
+    for name in list(logging.root.manager.loggerDict):  # the agent's failure and shutdown logs: said below
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # killed by signal N: 128 + N
+        if code not in QUIET_EXIT_CODES:
+            print(f"spinwheel launch: rank {rank} exited with status {code}", file=sys.stderr)
+        return code
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
 
 
 def free_port() -> int:

@@ -20,7 +20,8 @@ from spinwheel.server.middleware import check_api_key
 class ServeConfig(ServerLimits):
     """OpenAI-compatible HTTP server."""
 
-    model: str = option("runs/demo/checkpoint", help="HF checkpoint directory or built-in preset to serve")
+    model: str = option("runs/demo/grpo/checkpoint", help="HF checkpoint directory, Hugging Face Hub id "
+                                                          "(owner/name, through the local HF cache) or preset")
     host: str = option("127.0.0.1", help="address to bind (loopback unless told otherwise)")
     port: int = option(8000, help="TCP port")
     api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "

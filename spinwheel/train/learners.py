@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +201,13 @@ class ParallelLearner:
         shards.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), shards / f"rng{self.rank:05d}.pt")
         self.trainer.save(str(shards))  # ends in a barrier: every shard is written before rank 0 renames
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the initialised world, else of torchrun's environment (before the world is joined), else True."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 @contextmanager

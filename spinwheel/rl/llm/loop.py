@@ -35,6 +35,7 @@ from spinwheel.rl.token_losses import kl_per_token, logprob_mismatch, token_weig
 from spinwheel.tasks.arithmetic import ArithmeticTask, evaluate
 from spinwheel.tasks.data import read_rl_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
+from spinwheel.train.interrupt import StopOnSignal
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.metrics import MetricsLogger, plot_curves
 from spinwheel.train.optim import lr_at
@@ -131,7 +132,7 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step, desc=config.algo,
                disable=not (config.progress and learner.is_main), dynamic_ncols=True,
                mininterval=1.0 if sys.stderr.isatty() else 10.0)
-    try:
+    with StopOnSignal(learner.distributed) as stop:
         for step in bar:
             t = {"start": time.perf_counter()}
             idx = batch_indices(step, config.prompts_per_step, len(train_prompts), config.seed)
@@ -180,19 +181,15 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
             history.append(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", refresh=False)
             done = step + 1
+            if done < end_step and (signum := stop.agreed()) is not None:  # every rank stops after this step
+                bar.close()
+                save(done)
+                raise stop.interrupted(signum, done, ckpt_dir, learner.is_main, config.resume)
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 if (em := run_eval(done)) is not None:
                     bar.write(f"step {done}: held-out exact match {em:.3f}")
             if config.save_every and done % config.save_every == 0 and done < end_step:
                 save(done)
-    except KeyboardInterrupt:
-        bar.close()
-        if learner.distributed:
-            raise
-        done_steps = start_step + len(history)
-        save(done_steps)
-        print(f"interrupted: checkpoint saved at step {done_steps} in {ckpt_dir}; rerun the same command to resume")
-        raise
     bar.close()
     save(end_step)
     result.update(history=history, end_step=end_step, checkpoint=str(ckpt_dir))

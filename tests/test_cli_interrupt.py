@@ -1,0 +1,140 @@
+"""Ctrl-C as a user sends it, to the real commands in subprocesses: one process, and under torchrun (the signal goes
+to the launcher, which forwards it to each worker in turn). Every rank stops after the same step, writes the
+(sharded) checkpoint of that step and exits 130 with one line; the checkpoint resumes to the losses of an
+uninterrupted run. ``spinwheel launch`` passes the workers' status through (130, or 2 for a bad layout, printed
+once) where torchrun's own launcher adds a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spinwheel.train.metrics import read_metrics
+from spinwheel.train.sft import train_sft
+from spinwheel.train.sft_config import SFTConfig
+from spinwheel.tasks.arithmetic import ArithmeticConfig
+
+SFT = ["--model", "test", "--steps", "5000", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2",
+       "--eval-every", "0", "--eval-examples", "4", "--max-new-tokens", "3", "--save-every", "0",
+       "--task-num-digits", "1", "--task-num-train", "40", "--task-num-test", "6", "--no-progress",
+       "--num-threads", "1"]
+GRPO = ["--model", "test", "--steps", "5000", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "3",
+        "--eval-every", "0", "--eval-examples", "2", "--save-every", "0", "--task-num-digits", "1",
+        "--task-num-train", "20", "--task-num-test", "2", "--no-progress", "--num-threads", "1"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+LAUNCH = [sys.executable, "-m", "spinwheel", "launch", "--nproc-per-node", "2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "spinwheel"]
+
+
+def logged_steps(out: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def interrupt(cmd: list[str], out: Path, after_steps: int = 3, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``cmd``, send SIGINT to it once ``after_steps`` steps are logged, and return its outcome."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= after_steps:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def saved_step(out: Path, world_size: int = 1) -> int:
+    """The checkpoint's step, checked to be every rank's (each shard's optimizer-step count and RNG file)."""
+    ckpt = out / "checkpoint"
+    step = torch.load(ckpt / "trainer_state.pt", weights_only=False)["step"]
+    if world_size > 1:
+        for r in range(world_size):
+            assert torch.load(ckpt / "sharded" / f"rank{r:05d}.pt", weights_only=False)["num_steps"] == step, r
+            assert (ckpt / "sharded" / f"rng{r:05d}.pt").is_file()
+    return step
+
+
+def assert_one_message(proc: subprocess.CompletedProcess, step: int, out: Path) -> None:
+    line = f"interrupted: checkpoint saved at step {step} in {out / 'checkpoint'}; rerun the same command to resume"
+    assert proc.stdout.count("interrupted:") == 1 and line in proc.stdout, proc.stdout + proc.stderr
+
+
+def reference_losses(tmp_path: Path, steps: int) -> list[float]:
+    """The per-step losses of an uninterrupted one-process run of ``SFT`` for ``steps`` steps."""
+    out = tmp_path / "reference"
+    train_sft(SFTConfig(model="test", out_dir=str(out), steps=5000, batch_size=8, lr=3e-3, warmup_steps=2,
+                        eval_every=0, eval_examples=4, max_new_tokens=3, save_every=0, num_threads=1,
+                        progress=False, stop_after=steps,
+                        task=ArithmeticConfig(num_digits=1, num_train=40, num_test=6)))
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_ctrl_c_in_one_process_saves_the_step_and_resumes_exactly(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "spinwheel", "sft", *SFT, "--out-dir", str(out)]
+    proc = interrupt(cmd, out)
+    assert proc.returncode == 130, proc.stderr
+    step = saved_step(out)
+    assert_one_message(proc, step, out)
+    assert "Traceback" not in proc.stderr
+    assert logged_steps(out) == list(range(1, step + 1))  # the checkpoint is the last logged step, whole
+    resumed = subprocess.run(cmd + ["--stop-after", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step {step} of 5000" in resumed.stdout
+    ours = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert ours == reference_losses(tmp_path, step + 2)  # bit-identical across the interruption
+
+
+def test_ctrl_c_under_spinwheel_launch_every_rank_saves_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    cmd = [*LAUNCH, "sft", *SFT, "--dp", "2", "--out-dir", str(out)]
+    proc = interrupt(cmd, out)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "SignalException" not in proc.stderr, proc.stderr
+    step = saved_step(out, world_size=2)
+    assert_one_message(proc, step, out)
+    assert logged_steps(out) == list(range(1, step + 1))
+    resumed = subprocess.run(cmd + ["--stop-after", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    ours = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert ours == pytest.approx(reference_losses(tmp_path, step + 2), rel=1e-5)
+
+
+def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
+    """torchrun's own launcher: the workers save and exit 130 (torchrun then raises its SignalException)."""
+    out = tmp_path / "run"
+    proc = interrupt([*TORCHRUN, "sft", *SFT, "--dp", "2", "--out-dir", str(out)], out)
+    step = saved_step(out, world_size=2)
+    assert_one_message(proc, step, out)
+    assert logged_steps(out) == list(range(1, step + 1))
+
+
+def test_ctrl_c_under_spinwheel_launch_grpo(tmp_path):
+    out = tmp_path / "run"
+    proc = interrupt([*LAUNCH, "grpo", *GRPO, "--dp", "2", "--out-dir", str(out)], out, after_steps=2)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    step = saved_step(out, world_size=2)
+    assert_one_message(proc, step, out)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r] == list(range(1, step + 1))
+
+
+def test_bad_layout_is_one_line_once(tmp_path):
+    """A layout that does not fit the world: rank 0 says so once; spinwheel launch exits 2 without tracebacks."""
+    args = ["sft", "--model", "test", "--tp", "3", "--out-dir", str(tmp_path)]
+    proc = subprocess.run([*LAUNCH, *args], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spinwheel sft: error:") and "world of 2" in lines[0], proc.stderr
+    proc = subprocess.run([*TORCHRUN, *args], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.count("spinwheel sft: error:") == 1, proc.stderr
