@@ -198,3 +198,75 @@ def test_bad_config_values(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="missing required key 'hidden_size'"):
         spinwheel.load_model(tmp_path)
+
+
+# ---- scalar (reward-model) head: HF's *ForSequenceClassification ----------------------------------------------------
+def _right_padded(vocab: int, pad: int) -> torch.Tensor:
+    """Rows of uneven length, right-padded with ``pad`` (real tokens drawn from 1..vocab-1, never the pad)."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, vocab, (4, 12), generator=gen)
+    for row, n in enumerate((12, 7, 3, 9)):
+        ids[row, n:] = pad
+    return ids
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_reward_model_scores_match_transformers(model_type, tmp_path):
+    """Our saved RM loads as AutoModelForSequenceClassification and scores each row as our values at its last
+    non-pad token; a HF-made classifier loads back into ours with the same scores."""
+    config = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, model_type=model_type,
+                         attention_bias=model_type == "qwen2", pad_token_id=0, num_labels=1)
+    ours = Transformer(config).init_weights(seed=2, std=0.3)
+    save_pretrained(ours, tmp_path / "rm")
+    saved = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert saved["architectures"] == [f"{'Llama' if model_type == 'llama' else 'Qwen2'}ForSequenceClassification"]
+    assert saved["id2label"] == {"0": "LABEL_0"}
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "rm" / "model.safetensors"), framework="pt") as sf:
+        assert "score.weight" in sf.keys() and "lm_head.weight" not in sf.keys()
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    assert hf.config.num_labels == 1
+    ids = _right_padded(61, pad=0)
+    last = (ids != 0).sum(1) - 1
+    with torch.no_grad():
+        values = ours(ids)  # (B, T, 1)
+        ref = hf(ids).logits  # (B, 1)
+    assert values.shape == (4, 12, 1)
+    torch.testing.assert_close(values[torch.arange(4), last], ref, atol=1e-5, rtol=1e-5)
+    hf.save_pretrained(tmp_path / "hf")
+    back = spinwheel.load_model(tmp_path / "hf")
+    assert back.config.num_labels == 1 and back.lm_head.weight.shape == (1, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids)[torch.arange(4), last], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_scalar_head_model_copies_the_body():
+    from spinwheel.models.transformer import scalar_head_model
+
+    lm = spinwheel.load_model("test", vocab_size=50, seed=4)
+    lm_config = json.dumps(lm.config.to_hf_dict(), sort_keys=True)
+    rm = scalar_head_model(lm, seed=1)
+    assert json.dumps(lm.config.to_hf_dict(), sort_keys=True) == lm_config  # the LM is untouched
+    assert rm.config.num_labels == 1 and not rm.config.tie_word_embeddings
+    assert rm.lm_head.weight.shape == (1, 32)
+    assert rm.lm_head.weight.std().item() < 2 / 33 ** 0.5
+    ids = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(rm(ids, return_hidden=True), lm(ids, return_hidden=True), rtol=0, atol=0)
+        torch.testing.assert_close(rm(ids), rm(ids, return_hidden=True) @ rm.lm_head.weight.T)
+    assert sum(p.numel() for p in rm.parameters()) == rm.config.num_params
+    tied = scalar_head_model(spinwheel.load_model("tiny"), seed=1)  # a tied LM: the RM's head is its own
+    assert tied.lm_head.weight.data_ptr() != tied.embed_tokens.weight.data_ptr()
+
+
+def test_bad_scalar_head_configs(tmp_path):
+    with pytest.raises(ConfigError, match="'num_labels' must be 1"):
+        ModelConfig(num_labels=3)
+    with pytest.raises(ConfigError, match="cannot tie its score head"):
+        ModelConfig(num_labels=1, tie_word_embeddings=True)
+    hf_config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_labels=3, pad_token_id=0)
+    transformers.LlamaForSequenceClassification(hf_config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="config.json: config key 'num_labels' must be 1.*got 3"):
+        spinwheel.load_model(tmp_path)

@@ -1,6 +1,9 @@
 """Model configuration: one dataclass for the Llama / Qwen2 / Qwen3 decoder family, read from and written to
 Hugging Face ``config.json`` dictionaries (both the ``rope_scaling`` + ``rope_theta`` form of transformers 4.x and
-the ``rope_parameters`` form of transformers 5.x are understood)."""
+the ``rope_parameters`` form of transformers 5.x are understood).
+
+A config with ``num_labels == 1`` describes a scalar-head model (a reward model or critic): the same decoder body
+with a ``(1, hidden)`` score head instead of the LM head, written as HF's ``*ForSequenceClassification``."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_CLS_ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+                      "qwen3": "Qwen3ForSequenceClassification"}
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -42,6 +47,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     hidden_act: str = "silu"
     torch_dtype: str = "float32"
+    num_labels: int | None = None  # None: LM head (V outputs); 1: scalar score head (reward model / critic)
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, written back unchanged
 
     def __post_init__(self) -> None:
@@ -76,6 +82,18 @@ class ModelConfig:
                 self.rope_scaling = None
         if self.rms_norm_eps <= 0:
             raise ConfigError(f"config key 'rms_norm_eps' must be > 0, got {self.rms_norm_eps}")
+        if self.num_labels is not None:
+            if self.num_labels != 1:
+                raise ConfigError(f"config key 'num_labels' must be 1 (a scalar reward / value head; spinwheel has "
+                                  f"no multi-class heads), got {self.num_labels!r}")
+            if self.tie_word_embeddings:
+                raise ConfigError("a scalar-head model (num_labels 1) cannot tie its score head to the embeddings; "
+                                  "set tie_word_embeddings to false")
+
+    @property
+    def num_outputs(self) -> int:
+        """Width of the output layer: the vocabulary for an LM head, ``num_labels`` for a score head."""
+        return self.num_labels if self.num_labels is not None else self.vocab_size
 
     @property
     def num_params(self) -> int:
@@ -86,7 +104,7 @@ class ModelConfig:
         attn += h if self.attention_bias and self.model_type != "qwen2" else 0  # o_proj bias (not in qwen2)
         attn += 2 * self.head_dim if self.qk_norm else 0  # type: ignore[operator]
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        emb = self.vocab_size * h + (0 if self.tie_word_embeddings else self.num_outputs * h)
         return l * (attn + mlp + 2 * h) + h + emb
 
     # ---- Hugging Face config.json ----
@@ -117,7 +135,15 @@ class ModelConfig:
             attention_bias = True
         else:
             attention_bias = bool(d.get("attention_bias", False))
+        architectures = d.get("architectures") or []
+        num_labels = None
+        if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+            # transformers stores the label count as the id2label map (num_labels defaults to 2 without it).
+            id2label = d.get("id2label")
+            num_labels = len(id2label) if isinstance(id2label, dict) and id2label else d.get("num_labels", 2)
         known = {f.name for f in dataclasses.fields(cls)} | {"rope_parameters", "dtype", "architectures"}
+        if num_labels is not None:
+            known |= {"id2label", "label2id"}
         kwargs: dict[str, Any] = dict(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
@@ -125,10 +151,12 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling, attention_bias=attention_bias, mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3", tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            # A sequence classifier has no LM head, so nothing is tied whatever the flag says.
+            tie_word_embeddings=num_labels is None and bool(d.get("tie_word_embeddings", False)),
             model_type=model_type, bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"), hidden_act=d.get("hidden_act", "silu"),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"), num_labels=num_labels,
             extra={k: v for k, v in d.items() if k not in known},
         )
         return cls(**kwargs)
@@ -140,8 +168,10 @@ class ModelConfig:
         if self.rope_scaling:
             rope_parameters.update(self.rope_scaling)
             rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
+        scalar = self.num_labels is not None
         d.update(
-            architectures=[_ARCHITECTURES[self.model_type]], model_type=self.model_type,
+            architectures=[(_CLS_ARCHITECTURES if scalar else _ARCHITECTURES)[self.model_type]],
+            model_type=self.model_type,
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
@@ -151,6 +181,9 @@ class ModelConfig:
             hidden_act=self.hidden_act, bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id, torch_dtype=self.torch_dtype, dtype=self.torch_dtype,
         )
+        if scalar:
+            d.update(id2label={str(i): f"LABEL_{i}" for i in range(self.num_labels)},  # type: ignore[arg-type]
+                     label2id={f"LABEL_{i}": i for i in range(self.num_labels)})  # type: ignore[arg-type]
         if self.model_type == "llama":
             d.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
         if self.model_type == "qwen3":

@@ -1,6 +1,9 @@
 """Hugging Face checkpoint I/O: ``config.json`` + ``model.safetensors`` (or sharded ``model-0000i-of-0000n``
 ``.safetensors`` with ``model.safetensors.index.json``), loaded into and saved from :class:`Transformer`.
 
+A scalar-head model (``num_labels == 1``, a reward model) is written as HF's ``*ForSequenceClassification``: its
+output layer ``lm_head`` is stored as ``score.weight`` and read back from it.
+
 Loading asserts every key and shape (as nanoGPT's ``from_pretrained`` does): a missing, unexpected or mis-shaped
 tensor raises :class:`CheckpointError` naming the key and what was expected.
 """
@@ -35,9 +38,15 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-def hf_key(name: str) -> str:
-    """spinwheel parameter name -> HF name (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``)."""
-    return name if name.startswith("lm_head.") else _HF_PREFIX + name
+_SCORE = "score."  # the output layer of HF's *ForSequenceClassification
+
+
+def hf_key(name: str, scalar_head: bool = False) -> str:
+    """spinwheel parameter name -> HF name (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``; the output
+    layer is ``lm_head.weight``, or ``score.weight`` for a scalar head)."""
+    if name.startswith("lm_head."):
+        return _SCORE + name[len("lm_head."):] if scalar_head else name
+    return _HF_PREFIX + name
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
@@ -82,6 +91,8 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 name = key[len(_HF_PREFIX):] if key.startswith(_HF_PREFIX) else key
+                if name.startswith(_SCORE):  # a sequence classifier's head is our output layer
+                    name = "lm_head." + name[len(_SCORE):]
                 out[name] = sf.get_tensor(key)
     return out
 
@@ -115,18 +126,19 @@ def load_model(path_or_preset: str | os.PathLike, dtype: str | torch.dtype | Non
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)  # some tied checkpoints still carry the head; it equals the embedding
+    scalar = config.num_labels is not None
     missing = [k for k in expected if k not in state]
     if missing:
-        raise CheckpointError(f"{path}: missing tensor '{hf_key(missing[0])}'"
+        raise CheckpointError(f"{path}: missing tensor '{hf_key(missing[0], scalar)}'"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     unexpected = [k for k in state if k not in expected and not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
-        raise CheckpointError(f"{path}: unexpected tensor '{hf_key(unexpected[0])}' for a {config.model_type} model "
-                              f"with this config.json")
+        raise CheckpointError(f"{path}: unexpected tensor '{hf_key(unexpected[0], scalar)}' for a "
+                              f"{config.model_type} model with this config.json")
     for name, ref in expected.items():
         if tuple(state[name].shape) != tuple(ref.shape):
-            raise CheckpointError(f"{path}: tensor '{hf_key(name)}' has shape {tuple(state[name].shape)}, expected "
-                                  f"{tuple(ref.shape)} from config.json")
+            raise CheckpointError(f"{path}: tensor '{hf_key(name, scalar)}' has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(ref.shape)} from config.json")
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)
     # to_empty left the non-persistent RoPE buffer uninitialised; it is not in the file, so recompute it.
@@ -149,7 +161,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, shard_size_byte
             continue
         if name.startswith("rotary."):
             continue
-        tensors[hf_key(name)] = t.detach().to("cpu").contiguous()
+        tensors[hf_key(name, config.num_labels is not None)] = t.detach().to("cpu").contiguous()
     metadata = {"format": "pt"}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if shard_size_bytes is None or total <= shard_size_bytes:

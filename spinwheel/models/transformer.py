@@ -16,6 +16,7 @@ Shapes: B batch, T tokens, H query heads, G key/value heads, D head dim, C hidde
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -214,7 +215,13 @@ def run_blocks(blocks: Iterable[nn.Module], rotary: RotaryEmbedding, x: torch.Te
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. Parameter names match HF's ``*ForCausalLM`` with the leading ``model.`` removed."""
+    """Decoder-only LM. Parameter names match HF's ``*ForCausalLM`` with the leading ``model.`` removed.
+
+    With ``config.num_labels == 1`` the output layer ``lm_head`` is a (1, C) score head instead (a reward model or
+    critic: HF's ``*ForSequenceClassification``, whose ``score.weight`` it holds; ``hf.py`` maps the name), and
+    the forward returns per-token values (B, T, 1). Keeping one attribute name lets every parallel layout and
+    pipeline stage treat both heads alike.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -222,7 +229,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.num_outputs, bias=False)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -251,7 +258,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
                 attn_metadata: object = None, return_hidden: bool = False) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, V) (or final hidden states (B, T, C) with ``return_hidden``).
+        """input_ids (B, T) -> logits (B, T, V), values (B, T, 1) for a scalar head, or final hidden states
+        (B, T, C) with ``return_hidden``.
 
         * padded batches: ``attention_mask`` (B, T), 1 for real tokens (left or right padding); positions default
           to the count of real tokens before each one;
@@ -274,7 +282,23 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if return_hidden:
             return x
-        return self.lm_head(x)  # (B, T, V)
+        return self.lm_head(x)  # (B, T, V) or (B, T, 1)
+
+
+def scalar_head_model(lm: Transformer, seed: int = 0, std: float | None = None) -> Transformer:
+    """A reward model (or critic) initialised from the LM ``lm``: a copy of its body (embedding, blocks, final norm)
+    under a fresh (1, C) score head drawn from normal(0, std), by default ``1 / sqrt(C + 1)`` as TRL's reward
+    trainer does — small, so the initial scores are near zero. ``lm`` itself is left unchanged."""
+    config = dataclasses.replace(lm.config, num_labels=1, tie_word_embeddings=False, extra=dict(lm.config.extra))
+    model = Transformer(config).to(device=lm.device, dtype=lm.dtype)
+    body = {k: v for k, v in lm.state_dict().items() if not k.startswith("lm_head.")}
+    missing, unexpected = model.load_state_dict(body, strict=False)
+    assert not unexpected and [k for k in missing if not k.startswith("rotary.")] == ["lm_head.weight"], missing
+    gen = torch.Generator().manual_seed(seed)
+    std = std if std is not None else 1.0 / math.sqrt(config.hidden_size + 1)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen).mul_(std))
+    return model
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

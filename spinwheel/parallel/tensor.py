@@ -195,7 +195,8 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str,
     if getattr(model, "embed_tokens", None) is not None:
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, axis, comm)
         shard_dims["embed_tokens.weight"] = 0
-    if getattr(model, "lm_head", None) is not None:
+    # A scalar (reward / value) head has one output row: it stays whole on every rank, as the final norm does.
+    if getattr(model, "lm_head", None) is not None and getattr(model.config, "num_labels", None) is None:
         model.lm_head = ColumnParallelLinear(model.lm_head, axis, comm)
         if tied:  # the embedding's rows and the head's output features are the same vocabulary slice
             model.lm_head.weight = model.embed_tokens.weight
