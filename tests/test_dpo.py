@@ -13,9 +13,10 @@ import torch
 from spinwheel.models.presets import preset_config
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
+from spinwheel.parallel import ParallelConfig
 from spinwheel.rl.llm.dpo import DPOLoss, dpo_batch, train_dpo, with_reference
 from spinwheel.rl.llm.pref_config import DPOConfig
-from spinwheel.rl.llm.preference_data import (SampledGroups, TaskPrompt, self_generated_pairs, tokenize_pair)
+from spinwheel.rl.llm.preference_data import SampledGroups, TaskPrompt, self_generated_pairs, tokenize_pair
 from spinwheel.rl.preference import dpo_loss
 from spinwheel.tasks.data import DataError, read_preference_jsonl, write_jsonl
 from spinwheel.train.learners import LocalLearner, OptimConfig
@@ -37,21 +38,25 @@ def hand_sequence_logprob(model: Transformer, prompt_ids, completion_ids, mean: 
     return sum(terms) / len(terms) if mean else sum(terms)
 
 
-@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
-def test_loss_through_learner_equals_formula(loss_type, smoothing):
+@pytest.mark.parametrize("loss_type,smoothing,nll", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0),
+                                                     ("sigmoid", 0.0, 0.7)])
+def test_loss_through_learner_equals_formula(loss_type, smoothing, nll):
     pairs = [tokenize_pair(TOK, *t, add_eos=True) for t in TEXTS]
     policy, reference = make_model(1), make_model(2)
-    loss = DPOLoss(beta=0.3, loss_type=loss_type, label_smoothing=smoothing)
+    loss = DPOLoss(beta=0.3, loss_type=loss_type, label_smoothing=smoothing, nll_weight=nll)
     mean = loss_type == "ipo"
     pairs = with_reference(LocalLearner(reference, None), pairs, loss, TOK.pad_id, chunk=3)  # a padded last chunk
-    hand = {k: torch.tensor([hand_sequence_logprob(m, p.prompt_ids, getattr(p, f"{side}_ids"), mean)
-                             for p in pairs], dtype=torch.float64) for k, m, side in [("pc", policy, "chosen"), ("pr", policy, "rejected"),
-                                                                 ("rc", reference, "chosen"),
-                                                                 ("rr", reference, "rejected")]}
+    sides = [("pc", policy, "chosen"), ("pr", policy, "rejected"), ("rc", reference, "chosen"),
+             ("rr", reference, "rejected")]
+    hand = {k: torch.tensor([hand_sequence_logprob(m, p.prompt_ids, getattr(p, f"{side}_ids"), mean) for p in pairs],
+                            dtype=torch.float64) for k, m, side in sides}
     torch.testing.assert_close(torch.tensor([p.ref_logprobs for p in pairs], dtype=torch.float64),
                                torch.stack([hand["rc"], hand["rr"]], 1), rtol=1e-5, atol=1e-5)
     want, stats = dpo_loss(hand["pc"], hand["pr"], hand["rc"], hand["rr"], beta=0.3, loss_type=loss_type,
                            label_smoothing=smoothing)
+    if nll:  # RPO: the token-mean NLL of every chosen completion's tokens together
+        summed = [hand_sequence_logprob(policy, p.prompt_ids, p.chosen_ids, mean=False) for p in pairs]
+        want = want - nll * sum(summed) / sum(len(p.chosen_ids) for p in pairs)
     result = LocalLearner(policy, OptimConfig(lr=1e-3)).train_step(dpo_batch(pairs, TOK.pad_id), loss, 1e-3)
     assert result.loss == pytest.approx(float(want), rel=1e-5)
     assert result.stats["margin"] == pytest.approx(float(stats["margin"]), rel=1e-4, abs=1e-6)
@@ -127,5 +132,4 @@ def test_bad_input_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="--label-smoothing applies to --loss-type sigmoid only"):
         DPOConfig(loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"--batch-size \(pairs\) 3 must be divisible"):
-        train_dpo(_config(tmp_path, batch_size=3, parallel=__import__("spinwheel.parallel").parallel.ParallelConfig(
-            microbatches=2)))
+        train_dpo(_config(tmp_path, batch_size=3, parallel=ParallelConfig(microbatches=2)))

@@ -88,6 +88,8 @@ class DPOConfig(PreferenceConfig):
                                                   choices=("sigmoid", "ipo"))
     beta: float = option(0.1, help="β: strength of the KL anchor to the reference (IPO's τ)")
     label_smoothing: float = option(0.0, help="conservative DPO: probability ε in [0, 0.5] that a label is flipped")
+    nll_weight: float = option(0.0, help="RPO: add this times the token-mean NLL of the chosen completions, so "
+                                         "DPO does not lower the likelihood of the preferred answers (0: off)")
     num_prompts: int = option(1024, help="self-generated pairs: task prompts to sample --group-size completions for "
                                          "(prompts whose samples are all right or all wrong give no pair)")
     pairs_per_prompt: int = option(1, help="self-generated pairs: most (correct, wrong) pairs kept per prompt")
@@ -102,6 +104,8 @@ class DPOConfig(PreferenceConfig):
             raise ValueError("--label-smoothing applies to --loss-type sigmoid only; IPO has none")
         if self.loss_type not in ("sigmoid", "ipo"):
             raise ValueError(f"--loss-type must be sigmoid or ipo, got {self.loss_type!r}")
+        if self.nll_weight < 0:
+            raise ValueError(f"--nll-weight must be >= 0, got {self.nll_weight}")
         for name in ("num_prompts", "pairs_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
