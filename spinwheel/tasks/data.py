@@ -171,6 +171,11 @@ def read_preference_jsonl(path: str | os.PathLike[str]) -> list[PreferenceRecord
     records = []
     for where, obj in _read_objects(path):
         prompt, chosen, rejected = (_string(where, obj, key, expected) for key in ("prompt", "chosen", "rejected"))
+        for key, value in (("chosen", chosen), ("rejected", rejected)):
+            if not value.strip():
+                raise DataError(f"{where}: field '{key}' is empty (a preference pair needs two completions)")
+        if chosen == rejected:
+            raise DataError(f"{where}: fields 'chosen' and 'rejected' are the same text (the pair prefers nothing)")
         records.append(PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected))
     return records
 
