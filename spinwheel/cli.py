@@ -183,6 +183,45 @@ def _run_rl(ns: argparse.Namespace) -> None:
               f"wrote {result['checkpoint']}")
 
 
+_PREF_COMMANDS = {
+    "dpo": "DPO (sigmoid, conservative label smoothing, IPO) on preference pairs: JSONL, or self-generated from "
+           "the policy's samples by the task reward",
+    "rm": "reward model (Bradley-Terry on preference pairs), saved as an HF *ForSequenceClassification checkpoint",
+}
+
+
+def _pref_parser(sub: argparse._SubParsersAction, command: str, what: str) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
+
+    cls = DPOConfig if command == "dpo" else RMConfig
+    p = sub.add_parser(command, help=what, description=f"{what}; torchrun for data/tensor parallel updates.")
+    add_arguments(p, cls)
+    add_arguments(p, ArithmeticConfig, prefix="task-")
+    add_arguments(p, ParallelConfig)
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
+    p.set_defaults(out_dir=f"runs/{command}")
+
+
+def _run_pref(ns: argparse.Namespace) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm.dpo import train_dpo
+    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
+    from spinwheel.rl.llm.reward_model import train_rm
+
+    config = from_args(DPOConfig if ns.command == "dpo" else RMConfig, ns)
+    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
+    config.parallel = from_args(ParallelConfig, ns)
+    config.engine = from_args(EngineConfig, ns, prefix="engine-")
+    result = (train_dpo if ns.command == "dpo" else train_rm)(config)
+    if os.environ.get("RANK", "0") == "0":
+        after = result.get("eval_after") or {}
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in after.items() if isinstance(v, (int, float)))
+        print(f"held-out: {shown or 'not evaluated'}; wrote {result.get('checkpoint', config.out_dir)}")
+
+
 def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
     """``--engine-*`` plus the placement options (``--device``, ``--dtype``, ``--seed``)."""
     from spinwheel.engine import EngineConfig
@@ -208,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sft_parser(sub)
     for algo, what in _RL_COMMANDS.items():
         _rl_parser(sub, algo, what)
+    for command, what in _PREF_COMMANDS.items():
+        _pref_parser(sub, command, what)
     p = sub.add_parser("generate", help="complete prompts with a checkpoint", description=GenerateConfig.__doc__)
     add_arguments(p, GenerateConfig)
     add_arguments(p, PlacementConfig)
@@ -237,6 +278,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
         from spinwheel.train.sft import train_sft
 
         train_sft(_sft_from_args(ns), announce=True)
+    elif ns.command in _PREF_COMMANDS:
+        _run_pref(ns)
     elif ns.command in _RL_COMMANDS:
         _run_rl(ns)
     elif ns.command == "generate":

@@ -146,3 +146,21 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path):
     full, killed = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "killed" / "metrics.jsonl")
     assert len(killed[0]) == 8
     assert killed == full
+
+
+def test_reward_model_as_the_reward(tmp_path):
+    """--reward-model: a scalar-head checkpoint scores (prompt, completion); an LM checkpoint is refused."""
+    from spinwheel.models import load_model, save_pretrained
+    from spinwheel.models.transformer import scalar_head_model
+
+    rm_dir = tmp_path / "rm"
+    save_pretrained(scalar_head_model(load_model("test", seed=1), seed=2, std=1.0), rm_dir)
+    Tokenizer.char_level().save_pretrained(rm_dir)
+    train_rl(small_config(tmp_path / "run", steps=1, beta=0.0, reward_model=str(rm_dir)))
+    rec = next(r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward_mean" in r)
+    assert rec["reward_std"] > 0 and rec["reward_mean"] not in (0.0, 1.0)  # continuous scores, not a task reward
+    lm_dir = tmp_path / "lm"
+    save_pretrained(load_model("test", seed=1), lm_dir)
+    Tokenizer.char_level().save_pretrained(lm_dir)
+    with pytest.raises(ValueError, match="not a reward model"):
+        train_rl(small_config(tmp_path / "run2", steps=1, reward_model=str(lm_dir)))

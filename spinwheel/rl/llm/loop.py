@@ -89,9 +89,13 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
         learner.load(ckpt_dir, state)
         start_step = int(state["step"])
     train_prompts, eval_prompts = load_prompts(config, tokenizer)
-    if config.reward_model is not None:
-        raise ValueError("--reward-model is not wired into the RL loop yet; use --reward task or module:function")
-    reward_fn = load_reward_fn(config.reward)
+    if config.reward_model is not None:  # scores (prompt, completion); the loop hands it the prompts' texts
+        from spinwheel.rl.llm.reward_model import reward_model_fn
+
+        rm = reward_model_fn(config.reward_model, device=config.device)
+        reward_fn = lambda completions, prompts: rm(prompts, completions)  # noqa: E731
+    else:
+        reward_fn = load_reward_fn(config.reward)
     longest = max(len(p.ids) for p in train_prompts + eval_prompts)
     engine_options = dataclasses.asdict(config.engine)
     engine_options.update(max_model_len=longest + config.max_new_tokens + 1, seed=config.seed)
@@ -140,7 +144,8 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
                                        config.max_new_tokens, config.temperature, config.top_p,
                                        dims if distributed else None)
             t["generate"] = time.perf_counter()
-            rewards = score(reward_fn, rollout.texts, [p.answer for p in rollout.row_prompts])
+            context = [p.text if config.reward_model else p.answer for p in rollout.row_prompts]
+            rewards = score(reward_fn, rollout.texts, context, "reward-model" if config.reward_model else "reward")
             t["score"] = time.perf_counter()
             batch = {k: v.to(config.device) for k, v in rollout_batch(rollout, pad_id).items()}
             inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
