@@ -10,14 +10,19 @@ Every step packs, under a token budget and a sequence cap:
 3. only when nothing is swapped out and nothing was preempted this step, waiting groups in arrival order, each
    prefilled whole or, with chunked prefill, in chunks under the remaining budget.
 
-The scheduler decides; the block manager keeps the accounts; the model runner executes the result.
+Every chunk is taken the same way (:meth:`Scheduler._plan` then :meth:`Scheduler._take`). The scheduler also creates
+and drops the sequences sampling asks for — the ``n - 1`` forks of parallel sampling, the forks and ends of beam
+search — so block tables change in one place. The scheduler decides; the block manager keeps the accounts; the model
+runner executes the result.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from spinwheel.engine.beam_search import BeamChoice
 from spinwheel.engine.block_manager import AllocStatus, BlockManager
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -29,9 +34,14 @@ class ScheduledSequence:
     group: SequenceGroup
     num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
     completes: bool = False  # after this step every token has K/V, so the next token is sampled
+    scores_prompt: bool = False  # the request wants prompt logprobs for this chunk's tokens
 
     def __post_init__(self) -> None:
-        self.completes = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        seq, params = self.seq, self.group.params
+        self.completes = seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens
+        # once the group has forked its prompt logprobs are complete (a recompute does not score them again)
+        self.scores_prompt = (params.prompt_logprobs is not None and not self.group.forked
+                              and seq.num_computed_tokens < seq.num_prompt_tokens)
 
 
 @dataclass
@@ -42,14 +52,15 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), device
     failed: list[SequenceGroup] = field(default_factory=list)  # finished with an error this step
     num_preempted: int = 0
+    block_tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> device blocks (the manager's)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.failed
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
 
 
 class Scheduler:
@@ -64,6 +75,11 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_chunked_prefills = 0  # steps that computed part of a prompt, not all of it
         self._rejected: list[SequenceGroup] = []
+        self._seq_ids = itertools.count()
+
+    def next_seq_id(self) -> int:
+        """A sequence id no other sequence of this scheduler has (block tables are keyed by it)."""
+        return next(self._seq_ids)
 
     # ---- queue management ----
     def add(self, group: SequenceGroup) -> None:
@@ -96,9 +112,6 @@ class Scheduler:
                     f"has {bm.gpu.num_blocks}")
         return None
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._rejected)
-
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request wherever it is, freeing its blocks."""
         for queue in (self.waiting, self.running, self.swapped):
@@ -125,22 +138,64 @@ class Scheduler:
             self.running = [g for g in self.running if not g.is_finished]
         return done
 
+    # ---- sequences created and dropped by sampling ----
+    def fork_samples(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
+        """The prompt sequence's first token is due: fork the other ``n - 1`` samples (once per request), sharing
+        its blocks. Returns the sequences that sample from this row."""
+        if group.forked:
+            return [seq]
+        group.forked = True
+        samples = [seq]
+        for i in range(1, group.params.n):
+            child = seq.fork(self.next_seq_id(), i)
+            self.block_manager.fork(seq.seq_id, child.seq_id)
+            samples.append(child)
+        group.seqs += samples[1:]
+        return samples
+
+    def continue_beams(self, group: SequenceGroup, beams: list[Sequence], choices: list[BeamChoice]) -> None:
+        """Apply one beam-search step: a beam chosen ``m`` times keeps one continuation and lends its blocks to
+        ``m - 1`` forks (forked before the token is appended); a beam not chosen ends and frees its blocks. No
+        choices: the search is done."""
+        group.forked = True
+        by_parent: dict[int, list[BeamChoice]] = {}
+        for c in choices:
+            by_parent.setdefault(c.parent, []).append(c)
+        survivors: list[Sequence] = []
+        for i, beam in enumerate(beams):
+            picks = by_parent.get(i, [])
+            if not picks:
+                beam.status = SequenceStatus.FINISHED_ABORTED
+                self.block_manager.free(beam.seq_id)
+                continue
+            forks = []
+            for _ in picks[1:]:
+                child = beam.fork(self.next_seq_id(), 0)
+                self.block_manager.fork(beam.seq_id, child.seq_id)
+                forks.append(child)
+            for seq, c in zip([beam] + forks, picks):
+                seq.token_ids.append(c.token_id)
+                seq.cumulative_logprob = c.cumulative_logprob
+                survivors.append(seq)
+        group.seqs = survivors  # dropped beams are already freed
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(failed=self._rejected)
+        bm = self.block_manager
+        out = SchedulerOutput(failed=self._rejected, block_tables=bm.block_tables)
         self._rejected = []
         budget = self.config.max_num_batched_tokens
         num_seqs = 0
-        bm = self.block_manager
 
         # 1. running groups, oldest first; preempt from the newest end when blocks run out
         queue = deque(self.running)
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.popleft()
-            seqs = group.seqs_with(SequenceStatus.RUNNING)
-            plan = [(s, self._chunk(s, budget)) for s in seqs]
-            plan = [(s, n) for s, n in plan if n > 0]
+            plan = self._plan(group.seqs_with(SequenceStatus.RUNNING), budget)
             if not plan or num_seqs + len(plan) > self.config.max_num_seqs:
                 kept.append(group)  # nothing fits in this step's budget; it keeps its blocks
                 continue
@@ -151,11 +206,7 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                for s, n in plan:
-                    out.blocks_to_copy += bm.append_slots(s.seq_id, s.num_computed_tokens, s.num_computed_tokens + n)
-                    self._commit(s, n)
-                    out.scheduled.append(ScheduledSequence(s, group, n))
-                    budget -= n
+                budget -= self._take(group, plan, out)
                 num_seqs += len(plan)
                 kept.append(group)
         self.running = kept
@@ -171,14 +222,7 @@ class Scheduler:
             out.blocks_to_swap_in += bm.swap_in(ids)
             for s in seqs:
                 s.status = SequenceStatus.RUNNING
-            for s in seqs:
-                n = self._chunk(s, budget)
-                if n > 0:
-                    out.blocks_to_copy += bm.append_slots(s.seq_id, s.num_computed_tokens,
-                                                          s.num_computed_tokens + n)
-                    self._commit(s, n)
-                    out.scheduled.append(ScheduledSequence(s, group, n))
-                    budget -= n
+            budget -= self._take(group, self._plan(seqs, budget), out)
             num_seqs += len(seqs)
             self.running.append(group)
 
@@ -201,8 +245,7 @@ class Scheduler:
             if status == AllocStatus.LATER:
                 break
             # the whole group must start this step (its prompt chunks share the budget)
-            remaining = [s.num_tokens for s in seqs]
-            if not self.config.enable_chunked_prefill and sum(remaining) > budget:
+            if not self.config.enable_chunked_prefill and sum(s.num_tokens for s in seqs) > budget:
                 break
             if budget < len(seqs):
                 break
@@ -210,14 +253,30 @@ class Scheduler:
             for s in seqs:
                 s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids)
                 s.status = SequenceStatus.RUNNING
-                n = self._chunk(s, budget)
-                if n > 0:
-                    self._commit(s, n)
-                    out.scheduled.append(ScheduledSequence(s, group, n))
-                    budget -= n
+            budget -= self._take(group, self._plan(seqs, budget), out)
             num_seqs += len(seqs)
             self.running.append(group)
         return out
+
+    def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute this step) for those of ``seqs`` that fit in ``budget``, in order."""
+        plan = []
+        for s in seqs:
+            n = self._chunk(s, budget)
+            if n > 0:
+                plan.append((s, n))
+                budget -= n
+        return plan
+
+    def _take(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> int:
+        """Schedule a plan: grow each block table to its chunk (copy-on-write copies go to ``out``) and record the
+        blocks that will hold computed K/V. Returns the tokens taken from the budget."""
+        for s, n in plan:
+            start = s.num_computed_tokens
+            out.blocks_to_copy += self.block_manager.append_slots(s.seq_id, start, start + n)
+            self._commit(s, n)
+            out.scheduled.append(ScheduledSequence(s, group, n))
+        return sum(n for _, n in plan)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
