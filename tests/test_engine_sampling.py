@@ -215,8 +215,9 @@ def test_engine_accounting_under_random_requests_preemption_and_aborts(model, re
     assert not engine.has_unfinished_requests(), "engine did not drain (hang)"
     assert set(finished) == {str(i) for i in range(len(reqs))}
     assert engine.block_manager.num_free_blocks == 20 and engine.block_manager.cpu.num_free == 12
-    for out in finished.values():
-        assert all(o.finish_reason in ("length", "stop", "abort", "error") for o in out.outputs) or out.error
+    for out in finished.values():  # every request fits the pool (at most 20 blocks): none may fail
+        assert out.error is None, out.error
+        assert all(o.finish_reason in ("length", "stop", "abort") for o in out.outputs)
 
 
 def test_flush_denormal_is_scoped_to_the_step():

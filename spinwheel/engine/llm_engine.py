@@ -25,7 +25,8 @@ from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.outputs import RequestOutput
 from spinwheel.engine.sampler import SampleRow, Sampler
 from spinwheel.engine.sampling_params import SamplingParams
-from spinwheel.engine.scheduler import Scheduler, SchedulerOutput
+from spinwheel.engine.scheduler import Scheduler
+from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -96,6 +97,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
         self.last_step: StepInfo | None = None
+        # monotonic time of the last token produced or request finished (rejections and aborts included); reset
+        # when work arrives at an idle engine, so a health check measures a stall from then
+        self.last_progress_time = time.monotonic()
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None,
@@ -137,6 +141,8 @@ class LLMEngine:
         group = SequenceGroup(request_id, [seq], params, prompt=text)
         if arrival_time is not None:
             group.arrival_time = arrival_time
+        if not self._groups:
+            self.last_progress_time = time.monotonic()
         self._groups[request_id] = group
         if bad:
             group.error = f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
@@ -156,6 +162,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def seconds_without_progress(self, now: float | None = None) -> float:
+        """How long the engine has had unfinished work without producing a token or finishing a request (0 when
+        idle): what a health check compares with its limit. It only reads two attributes, so a server may call it
+        from another thread than the one stepping the engine."""
+        if not self._groups:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self.last_progress_time)
 
     # ---- the step ----
     def step(self, stream: bool = True) -> list[RequestOutput]:
@@ -211,7 +225,8 @@ class LLMEngine:
 
     def _beam_step(self, group: SequenceGroup) -> int:
         """One beam-search step once every running beam has its next-token distribution (after a recompute they
-        arrive over several steps); returns the beams that were running."""
+        arrive over several steps); returns how many beams the group holds now (the step's throughput counts
+        them)."""
         beams = group.seqs_with(SequenceStatus.RUNNING)
         if any(b.pending_logprobs is None for b in beams):
             return len(group.seqs)
@@ -235,6 +250,8 @@ class LLMEngine:
         self._aborted = []
         results = []
         now = time.monotonic()
+        if touched:
+            self.last_progress_time = now
         for group in touched.values():
             if group.is_finished:
                 group.finish_time = group.finish_time or now

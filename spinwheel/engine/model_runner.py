@@ -21,7 +21,7 @@ from spinwheel.engine import cpu_forward
 from spinwheel.engine.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.cpu_kernels import check_decode_tables, load_kernels
-from spinwheel.engine.scheduler import ScheduledSequence, SchedulerOutput
+from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)

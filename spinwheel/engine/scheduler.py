@@ -1,14 +1,21 @@
 """Iteration-level FCFS scheduling (Yu et al., "Orca", OSDI 2022) over a paged KV cache.
 
-Every step packs, under a token budget and a sequence cap:
+All three queues are kept in arrival order (``arrival_time``, also when ``add_request`` is given one). Every step
+packs, under a token budget and a sequence cap:
 
 1. the running groups, oldest first: one token per decoding sequence, the next chunk of a prompt still being
-   prefilled. When the cache cannot hold their next tokens, the latest-arrived running group is preempted — by
-   recompute (its blocks are freed and it goes back to the front of the waiting queue) or by swap (its blocks move
-   to the CPU pool) — until the rest fit;
-2. swapped groups, oldest first, brought back when their blocks fit;
+   prefilled. When the cache cannot hold their next tokens, the latest-arrived running group is preempted, all its
+   sequences at once — by recompute (its blocks are freed and it goes back to its place in the waiting queue) or
+   by swap (its blocks move to the CPU pool) — until the rest fit;
+2. swapped groups, oldest first, brought back when their blocks plus the blocks of their next tokens fit (exactly
+   counted: with every other group finished the pool always holds them, so a swapped group always comes back);
 3. only when nothing is swapped out and nothing was preempted this step, waiting groups in arrival order, each
-   prefilled whole or, with chunked prefill, in chunks under the remaining budget.
+   prefilled whole or, with chunked prefill, in chunks under the remaining budget. A recomputed parallel-sampling
+   or beam group computes the leading blocks its sequences share (the prompt at least) once and shares them again,
+   so it needs no more blocks than when it was first admitted.
+
+A request is rejected at once when even the whole pool could not hold it (``_never_fits``); every other request
+fits whenever the pool is otherwise empty, so it finishes.
 
 Every chunk is taken the same way (:meth:`Scheduler._plan` then :meth:`Scheduler._take`). The scheduler also creates
 and drops the sequences sampling asks for — the ``n - 1`` forks of parallel sampling, the forks and ends of beam
@@ -20,47 +27,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 from spinwheel.engine.beam_search import BeamChoice
 from spinwheel.engine.block_manager import AllocStatus, BlockManager
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    group: SequenceGroup
-    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
-    completes: bool = False  # after this step every token has K/V, so the next token is sampled
-    scores_prompt: bool = False  # the request wants prompt logprobs for this chunk's tokens
-
-    def __post_init__(self) -> None:
-        seq, params = self.seq, self.group.params
-        self.completes = seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens
-        # once the group has forked its prompt logprobs are complete (a recompute does not score them again)
-        self.scores_prompt = (params.prompt_logprobs is not None and not self.group.forked
-                              and seq.num_computed_tokens < seq.num_prompt_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), device
-    failed: list[SequenceGroup] = field(default_factory=list)  # finished with an error this step
-    num_preempted: int = 0
-    block_tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> device blocks (the manager's)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
 
 
 class Scheduler:
@@ -91,7 +63,7 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED_ERROR
             self._rejected.append(group)
             return
-        self.waiting.append(group)
+        _insert_by_arrival(self.waiting, group)
 
     def _never_fits(self, group: SequenceGroup) -> str | None:
         prompt_len, max_tokens = len(group.prompt_token_ids), group.params.max_tokens
@@ -199,7 +171,7 @@ class Scheduler:
             if not plan or num_seqs + len(plan) > self.config.max_num_seqs:
                 kept.append(group)  # nothing fits in this step's budget; it keeps its blocks
                 continue
-            need = [(s.seq_id, s.num_computed_tokens, s.num_computed_tokens + n) for s, n in plan]
+            need = [(s.seq_id, self._write_start(group, s), s.num_computed_tokens + n) for s, n in plan]
             while not bm.can_append_slots(need):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
@@ -211,12 +183,13 @@ class Scheduler:
                 kept.append(group)
         self.running = kept
 
-        # 2. swapped groups come back first (FCFS) when their blocks fit
+        # 2. swapped groups come back first (FCFS) when their blocks and their next tokens' blocks fit
         while self.swapped and out.num_preempted == 0:
             group = self.swapped[0]
             seqs = group.seqs_with(SequenceStatus.SWAPPED)
-            ids = [s.seq_id for s in seqs]
-            if num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs) or not bm.can_swap_in(ids):
+            ids, extents = [s.seq_id for s in seqs], [(self._write_start(group, s), s.num_tokens) for s in seqs]
+            if (num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs)
+                    or not bm.can_swap_in(ids, extents)):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += bm.swap_in(ids)
@@ -224,7 +197,7 @@ class Scheduler:
                 s.status = SequenceStatus.RUNNING
             budget -= self._take(group, self._plan(seqs, budget), out)
             num_seqs += len(seqs)
-            self.running.append(group)
+            _insert_by_arrival(self.running, group)
 
         # 3. new (or recompute-preempted) groups, only while nothing waits in the swap pool
         while self.waiting and not self.swapped and out.num_preempted == 0:
@@ -232,31 +205,60 @@ class Scheduler:
             seqs = group.seqs_with(SequenceStatus.WAITING)
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
-            status = bm.can_allocate([s.token_ids for s in seqs])
-            if status == AllocStatus.NEVER:  # e.g. recompute after growing past the pool: cannot ever run
+            shared = self._shared_prefix(seqs)
+            status = bm.can_allocate([s.token_ids for s in seqs], shared)
+            if status == AllocStatus.NEVER:  # cannot happen to a request _never_fits let in: fail it, never stall
                 self.waiting.popleft()
-                group.error = (f"the request's {sum(s.num_tokens for s in seqs)} tokens no longer fit in the KV "
-                               f"pool of {bm.gpu.num_blocks} blocks")
+                group.error = (f"internal error: the request's {sum(s.num_tokens for s in seqs)} tokens do not fit "
+                               f"in the KV pool of {bm.gpu.num_blocks} blocks")
                 for s in group.unfinished_seqs():
                     s.status = SequenceStatus.FINISHED_ERROR
-                    bm.free(s.seq_id)
                 out.failed.append(group)
                 continue
             if status == AllocStatus.LATER:
                 break
-            # the whole group must start this step (its prompt chunks share the budget)
-            if not self.config.enable_chunked_prefill and sum(s.num_tokens for s in seqs) > budget:
+            # without chunked prefill each sequence computes all its tokens in one step: the first one now, the others
+            # of a recomputed group (sharing its leading blocks) as the budget allows
+            if not self.config.enable_chunked_prefill and seqs[0].num_tokens > budget:
                 break
             if budget < len(seqs):
                 break
             self.waiting.popleft()
-            for s in seqs:
-                s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids)
-                s.status = SequenceStatus.RUNNING
+            self._allocate(group, seqs, shared)
             budget -= self._take(group, self._plan(seqs, budget), out)
             num_seqs += len(seqs)
-            self.running.append(group)
+            _insert_by_arrival(self.running, group)
         return out
+
+    def _shared_prefix(self, seqs: list[Sequence]) -> int:
+        """Leading tokens (whole blocks, short of every sequence's last token) that all of ``seqs`` have in common:
+        when a group forked earlier is recomputed, they are computed once and shared again."""
+        if len(seqs) < 2:
+            return 0
+        first, limit = seqs[0].token_ids, min(s.num_tokens for s in seqs) - 1
+        common = next((i for i in range(limit) if any(s.token_ids[i] != first[i] for s in seqs)), limit)
+        return common // self.block_manager.block_size * self.block_manager.block_size
+
+    def _allocate(self, group: SequenceGroup, seqs: list[Sequence], shared: int) -> None:
+        """Block tables for a waiting group, all at once. After a recompute of a forked group the first sequence
+        (the leader) recomputes the ``shared`` leading tokens for all of them and the others share its blocks.
+        They never read those blocks before they are written: the leader is planned first and takes
+        ``min(remaining, budget)``, so while it is short of ``shared`` the budget is spent (chunked prefill) —
+        without chunked prefill it computes all its tokens in the step it is admitted — and in the step it gets
+        there its K/V are written before any attention reads them."""
+        bm = self.block_manager
+        leader = seqs[0]
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
+        for s in seqs[1:]:
+            if shared:
+                bm.fork(leader.seq_id, s.seq_id, shared)
+                bm.append_slots(s.seq_id, shared, s.num_tokens)  # fresh blocks only: nothing shared is written
+                s.num_computed_tokens = shared
+            else:
+                s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids)
+        group.shared_prefill = (leader, shared) if shared else None
+        for s in seqs:
+            s.status = SequenceStatus.RUNNING
 
     def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute this step) for those of ``seqs`` that fit in ``budget``, in order."""
@@ -268,12 +270,21 @@ class Scheduler:
                 budget -= n
         return plan
 
+    @staticmethod
+    def _write_start(group: SequenceGroup, seq: Sequence) -> int:
+        """Where copy-on-write starts for ``seq``'s next tokens: the leader of a shared prefill writes the shared
+        blocks for everyone (no copy), everyone else from the first token it computes."""
+        shared = group.shared_prefill
+        if shared is not None and seq is shared[0]:
+            return max(seq.num_computed_tokens, shared[1])
+        return seq.num_computed_tokens
+
     def _take(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> int:
         """Schedule a plan: grow each block table to its chunk (copy-on-write copies go to ``out``) and record the
         blocks that will hold computed K/V. Returns the tokens taken from the budget."""
         for s, n in plan:
-            start = s.num_computed_tokens
-            out.blocks_to_copy += self.block_manager.append_slots(s.seq_id, start, start + n)
+            end = s.num_computed_tokens + n
+            out.blocks_to_copy += self.block_manager.append_slots(s.seq_id, self._write_start(group, s), end)
             self._commit(s, n)
             out.scheduled.append(ScheduledSequence(s, group, n))
         return sum(n for _, n in plan)
@@ -308,11 +319,13 @@ class Scheduler:
             self.block_manager.free(s.seq_id)
             s.num_computed_tokens = 0
             s.status = SequenceStatus.WAITING
+        group.shared_prefill = None  # re-admission computes the shared prefix again
         _insert_by_arrival(self.waiting, group)
 
 
-def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
-    """Preempted groups keep their first-come-first-served place."""
+def _insert_by_arrival(queue: deque[SequenceGroup] | list[SequenceGroup], group: SequenceGroup) -> None:
+    """Every queue stays in arrival order (first come, first served; the latest arrival is evicted first), also
+    for arrival times given to ``add_request`` and for groups coming back from preemption."""
     for i, other in enumerate(queue):
         if other.arrival_time > group.arrival_time:
             queue.insert(i, group)
