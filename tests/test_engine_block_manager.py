@@ -29,6 +29,27 @@ def test_fork_shares_and_copy_on_write_copies_last_block():
     bm.check_invariants()
 
 
+def test_copies_are_counted_exactly_when_every_holder_writes_a_shared_block():
+    # two sequences share a partial last block and both write it: one copy, the second writer keeps the original.
+    # Counting a copy per writer made a swapped group that fits an empty pool wait for a block that never comes.
+    bm = BlockManager(num_blocks=4, num_cpu_blocks=4, block_size=4, enable_prefix_caching=False)
+    bm.allocate(0, list(range(10)))  # 3 blocks
+    bm.fork(0, 1)
+    bm.fork(0, 2)
+    assert not bm.can_append_slots([(0, 10, 11), (1, 10, 11), (2, 10, 11)])  # 2 copies, 1 free block
+    moves = bm.swap_out([0, 1, 2])
+    assert len(moves) == 3 and bm.num_free_blocks == 4
+    extents = [(10, 11)] * 3
+    assert not bm.can_swap_in([0, 1, 2], extents)  # 3 blocks + 2 copies > 4 free
+    bm.free(2)
+    assert bm.can_swap_in([0, 1], extents[:2])  # 3 blocks + 1 copy = 4
+    bm.swap_in([0, 1])
+    assert bm.can_append_slots([(0, 10, 11), (1, 10, 11)])
+    assert len(bm.append_slots(0, 10, 11)) == 1 and bm.append_slots(1, 10, 11) == []
+    assert bm.num_free_blocks == 0
+    bm.check_invariants()
+
+
 def test_swap_moves_whole_group_and_keeps_internal_sharing():
     bm = BlockManager(num_blocks=8, num_cpu_blocks=8, block_size=4, enable_prefix_caching=False)
     bm.allocate(0, list(range(8)))

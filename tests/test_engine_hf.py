@@ -84,6 +84,21 @@ def test_greedy_matches_hf(checkpoint, prompts, hf_greedy, name):
     llm.engine.block_manager.check_invariants()
 
 
+@pytest.mark.parametrize("name", ["recompute", "swap"])
+def test_greedy_parallel_samples_match_hf_under_preemption(checkpoint, prompts, hf_greedy, name):
+    # n = 3 greedy samples on a pool that forces preemption; without the prefix cache a recomputed group computes
+    # its shared prompt once (one sequence) and the other two share it again
+    path, _ = checkpoint
+    llm = LLM(str(path), **CONFIGS[name], enable_prefix_caching=False)
+    outs = llm.generate(prompts[:8], SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW))
+    for i, out in enumerate(outs):
+        assert out.error is None
+        assert [o.token_ids for o in out.outputs] == [hf_greedy[i]] * 3, f"prompt {i}"
+    assert llm.stats().num_preemptions > 0
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
+    llm.engine.block_manager.check_invariants()
+
+
 def test_greedy_with_prefix_caching_matches_hf(checkpoint):
     path, hf = checkpoint
     g = torch.Generator().manual_seed(2)

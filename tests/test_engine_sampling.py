@@ -85,6 +85,23 @@ def test_truncation_and_penalties(model):
     assert len(set(rep)) == len(rep) and not set(rep) & set(prompt)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 1e-6])
+def test_tiny_temperatures_sample_greedily(model, temperature):
+    # logits / 1e-38 overflowed to inf (1e-300 is 0 in float32): NaN probabilities, argmax 0 = <pad> every time
+    llm = LLM(model)
+    prompt = [20, 21, 22, 23]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    tiny = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)
+    # alone, with a seed, and batched with a row sampled at temperature 1
+    outs = llm.generate([prompt, prompt, [5, 6, 7]], [tiny, SamplingParams(temperature=temperature, seed=3,
+                                                                           max_tokens=8, ignore_eos=True),
+                                                      SamplingParams(temperature=1.0, max_tokens=8, seed=1)])
+    for out in outs[:2]:
+        assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
+        assert out.outputs[0].cumulative_logprob == pytest.approx(greedy.outputs[0].cumulative_logprob, abs=1e-5)
+    assert 0 not in greedy.outputs[0].token_ids
+
+
 def test_stops_min_tokens_and_ignore_eos(model):
     llm = LLM(model)
     prompt = [30, 31, 32]
@@ -198,8 +215,9 @@ def test_engine_accounting_under_random_requests_preemption_and_aborts(model, re
     assert not engine.has_unfinished_requests(), "engine did not drain (hang)"
     assert set(finished) == {str(i) for i in range(len(reqs))}
     assert engine.block_manager.num_free_blocks == 20 and engine.block_manager.cpu.num_free == 12
-    for out in finished.values():
-        assert all(o.finish_reason in ("length", "stop", "abort", "error") for o in out.outputs) or out.error
+    for out in finished.values():  # every request fits the pool (at most 20 blocks): none may fail
+        assert out.error is None, out.error
+        assert all(o.finish_reason in ("length", "stop", "abort") for o in out.outputs)
 
 
 def test_flush_denormal_is_scoped_to_the_step():

@@ -11,7 +11,7 @@
   or when the best running beam — scored at its current length (``early_stopping=False``) or, for ``"never"``
   with a positive length penalty, at ``max_tokens`` — cannot beat the worst of ``k`` finished hypotheses.
 
-The engine applies the decisions through the block manager: a beam chosen twice is forked (its blocks shared, the
+The scheduler applies the decisions through the block manager: a beam chosen twice is forked (its blocks shared, the
 last one copied on write), a beam not chosen is freed.
 """
 

@@ -178,17 +178,18 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
-    def can_allocate(self, seqs: list[list[int]]) -> AllocStatus:
-        """Whether sequences with these token lists (one group) can get block tables now."""
-        total = sum(self.num_blocks_for(len(t)) for t in seqs)
+    def can_allocate(self, seqs: list[list[int]], num_shared_tokens: int = 0) -> AllocStatus:
+        """Whether sequences with these token lists (one group) can get block tables now. With
+        ``num_shared_tokens`` (a multiple of the block size) every sequence after the first shares the first one's
+        blocks holding those leading tokens (a recomputed group forked again, see :meth:`fork`)."""
+        shared = num_shared_tokens // self.block_size
+        total = sum(self.num_blocks_for(len(t)) - (shared if i else 0) for i, t in enumerate(seqs))
         if total > self.gpu.num_blocks:
             return AllocStatus.NEVER
-        needed = 0
-        for tokens in seqs:
-            matched = self._match_prefix(tokens)
+        needed = total
+        for tokens in seqs[:1] if shared else seqs:
             # A matched block that nobody holds sits on the free side; reviving it consumes a free block.
-            live = sum(1 for b in matched if self.gpu.blocks[b].ref_count > 0)
-            needed += self.num_blocks_for(len(tokens)) - live
+            needed -= sum(1 for b in self._match_prefix(tokens) if self.gpu.blocks[b].ref_count > 0)
         return AllocStatus.OK if needed <= self.gpu.num_free else AllocStatus.LATER
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
@@ -224,16 +225,26 @@ class BlockManager:
             hashes.append(key)
 
     # ---- growth, copy-on-write, fork ----
-    def _blocks_to_append(self, seq_id: int, num_computed: int, num_tokens: int) -> int:
-        table = self.block_tables[seq_id]
-        new = max(0, self.num_blocks_for(num_tokens) - len(table))
-        first, last = num_computed // self.block_size, min(len(table), self.num_blocks_for(num_tokens))
-        cow = sum(1 for i in range(first, last) if self.gpu.blocks[table[i]].ref_count > 1)
-        return new + cow
+    def _blocks_to_append(self, tables: dict[int, list[int]], pool: BlockPool,
+                          seqs: list[tuple[int, int, int]]) -> int:
+        """Blocks that extending ``seqs`` (seq_id, num_computed_tokens, num_tokens) takes from ``pool``: new blocks
+        past their tables, and the copies :meth:`append_slots` makes of blocks it writes while they are shared —
+        a block held by ``r`` tables and written by ``w`` of them is copied ``w`` times, or ``r - 1`` when all its
+        holders write it (the last one then holds it alone)."""
+        need, writers = 0, {}
+        for seq_id, num_computed, num_tokens in seqs:
+            table = tables[seq_id]
+            need += max(0, self.num_blocks_for(num_tokens) - len(table))
+            for i in range(num_computed // self.block_size, min(len(table), self.num_blocks_for(num_tokens))):
+                writers[table[i]] = writers.get(table[i], 0) + 1
+        for b, w in writers.items():
+            ref = pool.blocks[b].ref_count
+            need += 0 if ref == 1 else min(w, ref - 1)
+        return need
 
     def can_append_slots(self, seqs: list[tuple[int, int, int]]) -> bool:
         """``seqs``: (seq_id, num_computed_tokens, num_tokens) of every sequence about to be extended."""
-        return sum(self._blocks_to_append(*s) for s in seqs) <= self.gpu.num_free
+        return self._blocks_to_append(self.block_tables, self.gpu, seqs) <= self.gpu.num_free
 
     def append_slots(self, seq_id: int, num_computed: int, num_tokens: int) -> list[tuple[int, int]]:
         """Make room for tokens ``num_computed .. num_tokens-1``; returns copy-on-write (src, dst) block copies."""
@@ -252,13 +263,16 @@ class BlockManager:
             table.append(self.gpu.allocate())
         return copies
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """``child_id`` shares every block of ``parent_id``."""
+    def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None) -> None:
+        """``child_id`` shares every block of ``parent_id`` — or only those holding its first ``num_tokens`` tokens
+        (then grow the child with :meth:`append_slots`)."""
         table = self.block_tables[parent_id]
+        if num_tokens is not None:
+            table = table[:self.num_blocks_for(num_tokens)]
         for b in table:
             self.gpu.incref(b)
         self.block_tables[child_id] = list(table)
-        self._hashes[child_id] = list(self._hashes[parent_id])
+        self._hashes[child_id] = self._hashes[parent_id][:len(table)]
 
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id``'s table (device or CPU); blocks nobody else holds return to their pool. Tail blocks are
@@ -281,9 +295,14 @@ class BlockManager:
         group stay shared; blocks shared with other groups (prefix cache) get a private CPU copy."""
         return self._move(seq_ids, self.block_tables, self.cpu_block_tables, self.gpu, self.cpu)
 
-    def can_swap_in(self, seq_ids: list[int]) -> bool:
-        # two spare blocks per sequence: one for its next token, one for a copy-on-write of a shared last block
-        return len(self._distinct(self.cpu_block_tables, seq_ids)) + 2 * len(seq_ids) <= self.gpu.num_free
+    def can_swap_in(self, seq_ids: list[int], extents: list[tuple[int, int]] | None = None) -> bool:
+        """Whether the group's blocks fit back on the device — and, given each sequence's (num_computed_tokens,
+        num_tokens), the blocks its next tokens add (new blocks; copies of blocks shared inside the group)."""
+        need = len(self._distinct(self.cpu_block_tables, seq_ids))
+        if extents:
+            need += self._blocks_to_append(self.cpu_block_tables, self.cpu,
+                                           [(s, c, t) for s, (c, t) in zip(seq_ids, extents)])
+        return need <= self.gpu.num_free
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         return self._move(seq_ids, self.cpu_block_tables, self.block_tables, self.cpu, self.gpu)

@@ -30,14 +30,9 @@ class LLM:
             raise TypeError(f"unknown engine option(s) {unknown}; EngineConfig has {sorted(names)}")
         config = EngineConfig(**engine_config)
         if isinstance(model_or_path, Transformer):
-            model = model_or_path
+            self.engine = LLMEngine(model_or_path, tokenizer, config)
         else:
-            from spinwheel.models import load_model, load_tokenizer
-
-            device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            model = load_model(model_or_path, dtype=config.dtype, device=device)
-            tokenizer = tokenizer or load_tokenizer(model_or_path)
-        self.engine = LLMEngine(model, tokenizer, config)
+            self.engine = LLMEngine.from_pretrained(model_or_path, config, tokenizer)
         self._counter = 0
 
     @property

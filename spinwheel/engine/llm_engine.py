@@ -1,12 +1,13 @@
 """The engine loop a server drives: ``add_request`` / ``abort`` / ``step`` -> incremental :class:`RequestOutput`.
 
-``step`` is schedule -> move blocks -> run the model -> sample -> check stops -> free finished sequences.
+``step`` is schedule (:mod:`~spinwheel.engine.scheduler`) -> run (:mod:`~spinwheel.engine.model_runner`: block moves
+and one forward) -> process the outputs: sample, fork parallel samples, advance beams, check stops
+(:mod:`~spinwheel.engine.output_processor`), free finished sequences and build the outputs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import time
@@ -20,10 +21,12 @@ from spinwheel.engine.beam_search import beam_step
 from spinwheel.engine.block_manager import BlockManager
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepLogits
-from spinwheel.engine.outputs import CompletionOutput, RequestOutput
-from spinwheel.engine.sampler import SampleRow, Sampler, top_logprobs
+from spinwheel.engine.output_processor import OutputProcessor
+from spinwheel.engine.outputs import RequestOutput
+from spinwheel.engine.sampler import SampleRow, Sampler
 from spinwheel.engine.sampling_params import SamplingParams
-from spinwheel.engine.scheduler import Scheduler, SchedulerOutput
+from spinwheel.engine.scheduler import Scheduler
+from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -84,25 +87,40 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(config.seed)
         eos = model.config.eos_token_id
-        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if tokenizer is not None and tokenizer.eos_id is not None:
-            self.eos_ids = {tokenizer.eos_id}
-        self._seq_ids = itertools.count()
+            eos_ids = {tokenizer.eos_id}
+        self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
         self.last_step: StepInfo | None = None
+        # monotonic time of the last token produced or request finished (rejections and aborts included); reset
+        # when work arrives at an idle engine, so a health check measures a stall from then
+        self.last_progress_time = time.monotonic()
 
     @classmethod
-    def from_pretrained(cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None) -> "LLMEngine":
+    def from_pretrained(cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None,
+                        tokenizer: Tokenizer | None = None) -> "LLMEngine":
+        """Load a checkpoint directory or preset on ``config.device`` (default: cuda when available) with its
+        tokenizer (unless one is given)."""
         from spinwheel.models import load_model, load_tokenizer
 
         config = config or EngineConfig()
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(load_model(path_or_preset, dtype=config.dtype, device=device), load_tokenizer(path_or_preset),
-                   config)
+        model = load_model(path_or_preset, dtype=config.dtype, device=device)
+        return cls(model, tokenizer or load_tokenizer(path_or_preset), config)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a sequence (unless ``ignore_eos``)."""
+        return self.output_processor.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.output_processor.eos_ids = set(ids)
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -119,10 +137,12 @@ class LLMEngine:
             text, tokens = None, [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
-        seq = Sequence(next(self._seq_ids), tokens)
+        seq = Sequence(self.scheduler.next_seq_id(), tokens)
         group = SequenceGroup(request_id, [seq], params, prompt=text)
         if arrival_time is not None:
             group.arrival_time = arrival_time
+        if not self._groups:
+            self.last_progress_time = time.monotonic()
         self._groups[request_id] = group
         if bad:
             group.error = f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
@@ -143,50 +163,37 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def seconds_without_progress(self, now: float | None = None) -> float:
+        """How long the engine has had unfinished work without producing a token or finishing a request (0 when
+        idle): what a health check compares with its limit. It only reads two attributes, so a server may call it
+        from another thread than the one stepping the engine."""
+        if not self._groups:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self.last_progress_time)
+
     # ---- the step ----
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Run one iteration. Returns outputs of the requests that progressed (all of them with ``stream``) or
         finished."""
         with flush_denormal(self.config.flush_denormal):
-            return self._step(stream)
+            out = self.scheduler.schedule()
+            step = self.runner.run(out)
+            touched = self._process(out, step) if step is not None else {}
+            return self._outputs(out, touched, stream)
 
-    def _step(self, stream: bool) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
-        self.last_step = StepInfo(decode, out.num_tokens - decode, out.num_preempted)
-        touched: dict[str, SequenceGroup] = {}
-        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
-            self.runner.move_blocks(out)
-        if out.scheduled:
-            want_prompt = {s.seq.seq_id for s in out.scheduled if s.group.params.prompt_logprobs is not None
-                           and not s.group.forked and s.seq.num_computed_tokens < s.seq.num_prompt_tokens}
-            logits = self.runner.execute(out.scheduled, self.block_manager.block_tables, want_prompt)
-            touched = self._postprocess(out, logits)
-        finished = self.scheduler.free_finished()
-        for group in out.failed + self._aborted + finished:
-            touched[group.request_id] = group
-        self._aborted = []
-        results = []
-        now = time.monotonic()
-        for group in touched.values():
-            if group.is_finished:
-                group.finish_time = group.finish_time or now
-                self._groups.pop(group.request_id, None)
-            if stream or group.is_finished:
-                results.append(self._output(group))
-        return results
-
-    def _postprocess(self, out: SchedulerOutput, step: StepLogits) -> dict[str, SequenceGroup]:
+    def _process(self, out: SchedulerOutput, step: StepLogits) -> dict[str, SequenceGroup]:
+        """Account the computed tokens, sample the rows that completed (forking parallel samples on their first
+        token), advance beam search; returns the groups that got a new token."""
         touched: dict[str, SequenceGroup] = {}
         rows: list[SampleRow] = []
-        row_index: list[int] = []
+        row_index: list[int] = []  # logits row of each sample row: n > 1 forks share one
         beam_groups: dict[str, SequenceGroup] = {}
         for s in out.scheduled:
             seq, group = s.seq, s.group
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             if seq.seq_id in step.prompt_rows:
-                self._record_prompt_logprobs(group, seq, step, s.num_new_tokens)
+                self.output_processor.record_prompt_logprobs(group, seq, step, s.num_new_tokens)
             seq.num_computed_tokens += s.num_new_tokens
             if not s.completes:
                 continue
@@ -196,16 +203,8 @@ class LLMEngine:
                 seq.pending_logprobs = torch.log_softmax(step.logits[logits_row], dim=-1)
                 beam_groups[group.request_id] = group
                 continue
-            targets = [seq]
-            if not group.forked:
-                group.forked = True
-                for i in range(1, group.params.n):
-                    child = seq.fork(next(self._seq_ids), i)
-                    self.block_manager.fork(seq.seq_id, child.seq_id)
-                    group.seqs.append(child)
-                    targets.append(child)
             stop_ids = sorted(self.eos_ids | set(group.params.stop_token_ids))
-            for t in targets:
+            for t in self.scheduler.fork_samples(group, seq):
                 rows.append(SampleRow(t, group.params, stop_ids))
                 row_index.append(logits_row)
         if rows:
@@ -215,118 +214,51 @@ class LLMEngine:
             sampled = self.sampler(logits, rows)
             for row, token, lp, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
                 row.seq.append_token(token, lp, top)
-                self._check_stop(row.seq, row.params)
+                self.output_processor.check_stop(row.seq, row.params)
             self.num_generated_tokens += len(rows)
-        for group in beam_groups.values():
-            self._beam_step(group)
+        num_beams = sum(self._beam_step(group) for group in beam_groups.values())
         now = time.monotonic()
-        self._recent.append((now, len(rows) + sum(len(g.seqs) for g in beam_groups.values())))
+        self._recent.append((now, len(rows) + num_beams))
         for group in touched.values():
             group.first_token_time = group.first_token_time or now
         return touched
 
-    def _record_prompt_logprobs(self, group: SequenceGroup, seq: Sequence, step: StepLogits, n: int) -> None:
-        start_row, end_row = step.prompt_rows[seq.seq_id]
-        lps = torch.log_softmax(step.logits[start_row:end_row], dim=-1)  # row i predicts token start + i + 1
-        first = seq.num_computed_tokens
-        k = group.params.prompt_logprobs or 0
-        assert group.prompt_logprobs is not None
-        for i in range(n):
-            pos = first + i + 1
-            if pos >= seq.num_prompt_tokens or pos < len(group.prompt_logprobs):
-                continue
-            while len(group.prompt_logprobs) < pos:  # positions served by the prefix cache have no logits
-                group.prompt_logprobs.append(None)
-            group.prompt_logprobs.append(top_logprobs(lps[i], seq.token_ids[pos], k))
-
-    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        token = seq.token_ids[-1]
-        if token in params.stop_token_ids:
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif not params.ignore_eos and token in self.eos_ids and seq.num_output_tokens >= params.min_tokens:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-        elif params.stop and self.tokenizer is not None and seq.num_output_tokens >= params.min_tokens:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-            hits = [(text.find(s), s) for s in params.stop if s and s in text]
-            if hits:
-                pos, stop = min(hits)
-                seq.text = text[:pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-        if not seq.status.is_finished and (seq.num_output_tokens >= params.max_tokens
-                                           or seq.num_tokens >= self.max_model_len):
-            seq.status = SequenceStatus.FINISHED_LENGTH
-
-    def _beam_step(self, group: SequenceGroup) -> None:
+    def _beam_step(self, group: SequenceGroup) -> int:
+        """One beam-search step once every running beam has its next-token distribution (after a recompute they
+        arrive over several steps); returns how many beams the group holds now (the step's throughput counts
+        them)."""
         beams = group.seqs_with(SequenceStatus.RUNNING)
         if any(b.pending_logprobs is None for b in beams):
-            return  # after a recompute, wait until every beam has its next-token distribution
-        logprobs = torch.stack([b.pending_logprobs for b in beams])  # type: ignore[misc]
+            return len(group.seqs)
+        logprobs = torch.stack([b.pending_logprobs for b in beams])  # type: ignore[misc]  # (B, V)
         for b in beams:
             b.pending_logprobs = None
-        params = group.params
         choices, group.finished_beams, group.beam_improvable, done = beam_step(
             logprobs, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams],
-            beams[0].num_output_tokens, params, self.eos_ids, group.finished_beams, group.beam_improvable)
+            beams[0].num_output_tokens, group.params, self.eos_ids, group.finished_beams, group.beam_improvable)
         self.num_generated_tokens += len(beams)
-        group.forked = True
-        if done:
-            choices = []
-        # fork before appending: a beam chosen m times keeps one continuation and lends its blocks to m - 1 forks
-        by_parent: dict[int, list] = {}
-        for c in choices:
-            by_parent.setdefault(c.parent, []).append(c)
-        survivors: list[Sequence] = []
-        for i, beam in enumerate(beams):
-            picks = by_parent.get(i, [])
-            if not picks:
-                beam.status = SequenceStatus.FINISHED_ABORTED
-                self.block_manager.free(beam.seq_id)
-                continue
-            forks = []
-            for _ in picks[1:]:
-                child = beam.fork(next(self._seq_ids), 0)
-                self.block_manager.fork(beam.seq_id, child.seq_id)
-                forks.append(child)
-            for seq, c in zip([beam] + forks, picks):
-                seq.token_ids.append(c.token_id)
-                seq.cumulative_logprob = c.cumulative_logprob
-                survivors.append(seq)
-        group.seqs = survivors  # dropped beams are already freed
-        if done:
-            group.seqs = []
+        self.scheduler.continue_beams(group, beams, [] if done else choices)
+        return len(group.seqs)
 
-    # ---- outputs and stats ----
-    def _decode(self, ids: list[int], params: SamplingParams) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        params = group.params
-        outs: list[CompletionOutput] = []
-        if params.use_beam_search:
-            if group.is_finished and group.error is None and group.finished_beams:
-                for i, f in enumerate(group.finished_beams):
-                    outs.append(CompletionOutput(i, self._decode(f.token_ids, params), list(f.token_ids),
-                                                 f.cumulative_logprob, None, f.finish_reason, score=f.score))
-            else:
-                reason = None if not group.is_finished else ("error" if group.error else "abort")
-                for i, s in enumerate(group.seqs or []):
-                    outs.append(CompletionOutput(i, self._decode(s.output_token_ids, params), s.output_token_ids,
-                                                 s.cumulative_logprob, None, reason))
-        else:
-            for s in sorted(group.seqs, key=lambda s: s.index):
-                text = s.text if isinstance(s.stop_reason, str) else self._decode(s.output_token_ids, params)
-                outs.append(CompletionOutput(s.index, text, s.output_token_ids, s.cumulative_logprob,
-                                             s.logprobs if params.logprobs is not None else None,
-                                             s.status.finish_reason, s.stop_reason))
-        metrics = {"arrival_time": group.arrival_time}
-        if group.first_token_time is not None:
-            metrics["first_token_time"] = group.first_token_time
-        if group.finish_time is not None:
-            metrics["finish_time"] = group.finish_time
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.is_finished,
-                             group.prompt_logprobs, group.error, metrics)
+    def _outputs(self, out: SchedulerOutput, touched: dict[str, SequenceGroup],
+                 stream: bool) -> list[RequestOutput]:
+        """Free finished sequences; outputs of the groups touched this step (all of them with ``stream``) and of
+        those that finished, failed or were aborted."""
+        self.last_step = StepInfo(out.num_decode_tokens, out.num_tokens - out.num_decode_tokens, out.num_preempted)
+        for group in out.failed + self._aborted + self.scheduler.free_finished():
+            touched[group.request_id] = group
+        self._aborted = []
+        results = []
+        now = time.monotonic()
+        if touched:
+            self.last_progress_time = now
+        for group in touched.values():
+            if group.is_finished:
+                group.finish_time = group.finish_time or now
+                self._groups.pop(group.request_id, None)
+            if stream or group.is_finished:
+                results.append(self.output_processor.request_output(group))
+        return results
 
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
@@ -364,5 +296,5 @@ class LLMEngine:
                 missing, unexpected = self.model.load_state_dict(model_or_state_dict, strict=False)
             if unexpected:
                 raise KeyError(f"update_weights: unexpected tensor '{unexpected[0]}'")
-        self.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
         self.runner.install()

@@ -4,8 +4,10 @@ All scheduled tokens — decodes and prefill chunks mixed — are flattened into
 projections, MLPs and norms run on the flat batch; only attention splits per sequence, through block tables and
 context lengths (:mod:`spinwheel.engine.attention`). On a CPU in fp32 the step runs the engine's own forward over
 oneDNN-packed weights and fused kernels (:mod:`spinwheel.engine.cpu_forward`); elsewhere the model's forward with
-the paged attention kernel installed in its layers. The runner also owns the KV-cache tensors (device pool and CPU
-swap pool) and performs the block copies the block manager asks for.
+the paged attention kernel installed in its layers. A step is ``prepare_inputs`` (flat ids, positions, slots,
+attention metadata, the rows to read back) -> ``forward`` (hidden states) -> ``select_rows`` (logits of the rows
+that are sampled or scored). The runner also owns the KV-cache tensors (device pool and CPU swap pool) and
+performs the block copies the block manager asks for.
 """
 
 from __future__ import annotations
@@ -19,12 +21,24 @@ from spinwheel.engine import cpu_forward
 from spinwheel.engine.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.cpu_kernels import check_decode_tables, load_kernels
-from spinwheel.engine.scheduler import ScheduledSequence, SchedulerOutput
+from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
 
 DECODE_BUCKET_BYTES = 4 << 20  # gathered K+V per decode bucket per layer (see ModelRunner._decode_buckets)
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch of N tokens and what to read back from it."""
+
+    input_ids: torch.Tensor  # (N,) int64
+    positions: torch.Tensor  # (N,) int64
+    meta: PagedAttentionMetadata
+    picks: list[int]  # rows of the batch whose logits are needed, in output order
+    sample_rows: dict[int, int]  # seq_id -> index into picks of its next-token row
+    prompt_rows: dict[int, tuple[int, int]]  # seq_id -> [start, end) into picks of its prompt-logprob rows
 
 
 @dataclass
@@ -134,13 +148,23 @@ class ModelRunner:
                 start = i
         return spans
 
-    # ---- one forward ----
+    # ---- one step: move blocks, prepare inputs, forward, select rows ----
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence], block_tables: dict[int, list[int]],
-                prompt_logprob_seqs: set[int]) -> StepLogits:
-        """Run the model over the step; returns logits only for the rows that are sampled or scored."""
+    def run(self, out: SchedulerOutput) -> StepLogits | None:
+        """Perform the step's block moves, then run the model over its scheduled tokens (None when there are
+        none)."""
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            self.move_blocks(out)
+        if not out.scheduled:
+            return None
+        inputs = self.prepare_inputs(out.scheduled, out.block_tables)
+        return self.select_rows(self.forward(inputs), inputs)
+
+    @torch.inference_mode()
+    def prepare_inputs(self, scheduled: list[ScheduledSequence], block_tables: dict[int, list[int]]) -> StepInputs:
+        """Flatten the step into one batch: decodes first (sorted by context length, so buckets of neighbours pad
+        little), then prefill chunks; attention metadata; and the rows whose logits are needed."""
         bs, dev = self.block_size, self.model.device
-        # decodes sorted by context length, so buckets of neighbours pad little
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         input_ids: list[int] = []
@@ -161,25 +185,10 @@ class ModelRunner:
             input_ids += s.seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-
-        buckets: list[DecodeBucket] = []
-        all_ctx = [s.seq.num_computed_tokens + 1 for s in decodes]
-        spans_d = [(0, len(decodes))] if self.fused_decode and decodes else self._decode_buckets(all_ctx)
-        for start, end in spans_d:
-            part, ctx = decodes[start:end], all_ctx[start:end]
-            max_blocks = -(-max(ctx) // bs)
-            rows = [block_tables[s.seq.seq_id][:max_blocks] for s in part]
-            tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long, device=dev)
-            lens = torch.tensor(ctx, dtype=torch.long, device=dev)
-            if self.fused_decode:
-                buckets.append(DecodeBucket(start, tables, None, lens))
-                continue
-            missing = torch.arange(max_blocks * bs, device=dev)[None, :] >= lens[:, None]
-            bias = torch.zeros(missing.shape, dtype=self.model.dtype, device=dev).masked_fill_(missing, float("-inf"))
-            buckets.append(DecodeBucket(start, tables, bias[:, None, None, :], lens))
-        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), buckets, spans)
+        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev),
+                                      self._decode_metadata(decodes, block_tables), spans)
         if self.fused_decode:  # the C code trusts indices: check this step's tables and slots once, for all layers
-            for b in buckets:
+            for b in meta.decodes:
                 check_decode_tables(b.block_tables, b.context_lens, self.num_blocks, bs)  # type: ignore[arg-type]
             if slots and not 0 <= min(slots) <= max(slots) < self.num_blocks * bs:
                 raise ValueError("KV slot out of range")
@@ -193,7 +202,7 @@ class ModelRunner:
         row = 0
         for s in decodes + prefills:
             n = s.num_new_tokens
-            if s.seq.seq_id in prompt_logprob_seqs:
+            if s.scores_prompt:
                 prompt_rows[s.seq.seq_id] = (len(picks), len(picks) + n)
                 picks += range(row, row + n)
                 if s.completes:
@@ -202,20 +211,48 @@ class ModelRunner:
                 sample_rows[s.seq.seq_id] = len(picks)
                 picks.append(row + n - 1)
             row += n
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta, picks, sample_rows,
+                          prompt_rows)
 
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+    def _decode_metadata(self, decodes: list[ScheduledSequence],
+                         block_tables: dict[int, list[int]]) -> list[DecodeBucket]:
+        """Decode buckets: padded block tables, context lengths and (for the PyTorch path) the additive mask."""
+        bs, dev = self.block_size, self.model.device
+        buckets: list[DecodeBucket] = []
+        all_ctx = [s.seq.num_computed_tokens + 1 for s in decodes]
+        spans = [(0, len(decodes))] if self.fused_decode and decodes else self._decode_buckets(all_ctx)
+        for start, end in spans:
+            part, ctx = decodes[start:end], all_ctx[start:end]
+            max_blocks = -(-max(ctx) // bs)
+            rows = [block_tables[s.seq.seq_id][:max_blocks] for s in part]
+            tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long, device=dev)
+            lens = torch.tensor(ctx, dtype=torch.long, device=dev)
+            if self.fused_decode:
+                buckets.append(DecodeBucket(start, tables, None, lens))
+                continue
+            missing = torch.arange(max_blocks * bs, device=dev)[None, :] >= lens[:, None]
+            bias = torch.zeros(missing.shape, dtype=self.model.dtype, device=dev).masked_fill_(missing, float("-inf"))
+            buckets.append(DecodeBucket(start, tables, bias[:, None, None, :], lens))
+        return buckets
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the flat batch -> hidden states (N, C) before the LM head."""
         if self.packed is not None:
             self.packed.refresh()  # a trainer sharing the model may have changed weights in place
-            hidden = cpu_forward.hidden_states(self.model, self.packed, ids, pos, meta, self.k_caches, self.v_caches,
-                                               self.fused_decode)  # (N, C)
-        else:
-            hidden = self.model(ids[None], positions=pos[None], attn_metadata=meta, return_hidden=True)[0]  # (N, C)
-        if len(picks) != hidden.shape[0]:  # pure decode steps need every row: no gather
-            hidden = hidden[torch.tensor(picks, dtype=torch.long, device=dev)]
-        logits = self.packed.lm_head(hidden) if self.packed is not None else self.model.lm_head(hidden)  # (R, V)
-        logits = logits.float()
-        return StepLogits(logits, sample_rows, prompt_rows)
+            return cpu_forward.hidden_states(self.model, self.packed, inputs.input_ids, inputs.positions,
+                                             inputs.meta, self.k_caches, self.v_caches, self.fused_decode)
+        return self.model(inputs.input_ids[None], positions=inputs.positions[None], attn_metadata=inputs.meta,
+                          return_hidden=True)[0]
+
+    @torch.inference_mode()
+    def select_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> StepLogits:
+        """Logits (float32) of only the rows that are sampled or scored: hidden (N, C) -> (R, V)."""
+        if len(inputs.picks) != hidden.shape[0]:  # pure decode steps need every row: no gather
+            hidden = hidden[torch.tensor(inputs.picks, dtype=torch.long, device=hidden.device)]
+        logits = self.packed.lm_head(hidden) if self.packed is not None else self.model.lm_head(hidden)
+        return StepLogits(logits.float(), inputs.sample_rows, inputs.prompt_rows)
 
 
 def _indices(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,10 @@
 """Token sampling over a batch of logits rows, each with its own :class:`SamplingParams`.
 
 Order of operations (as HF's logits processors and vLLM apply them): penalties (repetition on prompt + output,
-presence/frequency on the output), ``min_tokens`` masking of stop tokens, temperature, then top-k, top-p and
-min-p truncation, then a draw. Draws use the exponential race (``argmax p_i / E_i`` with ``E_i ~ Exp(1)``), which
-samples exactly from ``p``; a request with a ``seed`` draws its noise from its own generator, so its tokens do not
-depend on what else shares the batch.
+presence/frequency on the output), ``min_tokens`` masking of stop tokens, temperature (below ``SAMPLING_EPS``:
+greedy), then top-k, top-p and min-p truncation, then a draw. Draws use the exponential race (``argmax p_i / E_i``
+with ``E_i ~ Exp(1)``), which samples exactly from ``p``; a request with a ``seed`` draws its noise from its own
+generator, so its tokens do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import torch
 
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.sequence import Sequence
+
+# Temperatures below this are greedy (vLLM's threshold): logits / T overflows float32 for T around 1e-37 and below
+# (and T < 1e-45 is 0 in float32), giving NaN probabilities; at T = 1e-5 the distribution is an argmax already.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -66,11 +70,13 @@ class Sampler:
 
         raw = logits
         logits = self._apply_penalties(logits, rows)
-        greedy = torch.tensor([row.params.temperature == 0 for row in rows], device=logits.device)
-        if bool(greedy.all()):
+        is_greedy = [row.params.temperature < SAMPLING_EPS for row in rows]
+        greedy = torch.tensor(is_greedy, device=logits.device)
+        if all(is_greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            temps = torch.tensor([row.params.temperature or 1.0 for row in rows], device=logits.device)
+            temps = torch.tensor([1.0 if g else row.params.temperature for g, row in zip(is_greedy, rows)],
+                                 device=logits.device)
             scaled = logits / temps[:, None]
             scaled = self._truncate(scaled, rows)
             probs = torch.softmax(scaled, dim=-1)

@@ -1,55 +1,38 @@
 """Iteration-level FCFS scheduling (Yu et al., "Orca", OSDI 2022) over a paged KV cache.
 
-Every step packs, under a token budget and a sequence cap:
+All three queues are kept in arrival order (``arrival_time``, also when ``add_request`` is given one). Every step
+packs, under a token budget and a sequence cap:
 
 1. the running groups, oldest first: one token per decoding sequence, the next chunk of a prompt still being
-   prefilled. When the cache cannot hold their next tokens, the latest-arrived running group is preempted — by
-   recompute (its blocks are freed and it goes back to the front of the waiting queue) or by swap (its blocks move
-   to the CPU pool) — until the rest fit;
-2. swapped groups, oldest first, brought back when their blocks fit;
+   prefilled. When the cache cannot hold their next tokens, the latest-arrived running group is preempted, all its
+   sequences at once — by recompute (its blocks are freed and it goes back to its place in the waiting queue) or
+   by swap (its blocks move to the CPU pool) — until the rest fit;
+2. swapped groups, oldest first, brought back when their blocks plus the blocks of their next tokens fit (exactly
+   counted: with every other group finished the pool always holds them, so a swapped group always comes back);
 3. only when nothing is swapped out and nothing was preempted this step, waiting groups in arrival order, each
-   prefilled whole or, with chunked prefill, in chunks under the remaining budget.
+   prefilled whole or, with chunked prefill, in chunks under the remaining budget. A recomputed parallel-sampling
+   or beam group computes the leading blocks its sequences share (the prompt at least) once and shares them again,
+   so it needs no more blocks than when it was first admitted.
 
-The scheduler decides; the block manager keeps the accounts; the model runner executes the result.
+A request is rejected at once when even the whole pool could not hold it (``_never_fits``); every other request
+fits whenever the pool is otherwise empty, so it finishes.
+
+Every chunk is taken the same way (:meth:`Scheduler._plan` then :meth:`Scheduler._take`). The scheduler also creates
+and drops the sequences sampling asks for — the ``n - 1`` forks of parallel sampling, the forks and ends of beam
+search — so block tables change in one place. The scheduler decides; the block manager keeps the accounts; the model
+runner executes the result.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
+from spinwheel.engine.beam_search import BeamChoice
 from spinwheel.engine.block_manager import AllocStatus, BlockManager
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    group: SequenceGroup
-    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
-    completes: bool = False  # after this step every token has K/V, so the next token is sampled
-
-    def __post_init__(self) -> None:
-        self.completes = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), device
-    failed: list[SequenceGroup] = field(default_factory=list)  # finished with an error this step
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.failed
 
 
 class Scheduler:
@@ -64,6 +47,11 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_chunked_prefills = 0  # steps that computed part of a prompt, not all of it
         self._rejected: list[SequenceGroup] = []
+        self._seq_ids = itertools.count()
+
+    def next_seq_id(self) -> int:
+        """A sequence id no other sequence of this scheduler has (block tables are keyed by it)."""
+        return next(self._seq_ids)
 
     # ---- queue management ----
     def add(self, group: SequenceGroup) -> None:
@@ -75,7 +63,7 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED_ERROR
             self._rejected.append(group)
             return
-        self.waiting.append(group)
+        _insert_by_arrival(self.waiting, group)
 
     def _never_fits(self, group: SequenceGroup) -> str | None:
         prompt_len, max_tokens = len(group.prompt_token_ids), group.params.max_tokens
@@ -95,9 +83,6 @@ class Scheduler:
                     f"(prompt {prompt_len} + max_tokens {max_tokens}, width {group.width}) but the whole KV pool "
                     f"has {bm.gpu.num_blocks}")
         return None
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._rejected)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request wherever it is, freeing its blocks."""
@@ -125,62 +110,94 @@ class Scheduler:
             self.running = [g for g in self.running if not g.is_finished]
         return done
 
+    # ---- sequences created and dropped by sampling ----
+    def fork_samples(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
+        """The prompt sequence's first token is due: fork the other ``n - 1`` samples (once per request), sharing
+        its blocks. Returns the sequences that sample from this row."""
+        if group.forked:
+            return [seq]
+        group.forked = True
+        samples = [seq]
+        for i in range(1, group.params.n):
+            child = seq.fork(self.next_seq_id(), i)
+            self.block_manager.fork(seq.seq_id, child.seq_id)
+            samples.append(child)
+        group.seqs += samples[1:]
+        return samples
+
+    def continue_beams(self, group: SequenceGroup, beams: list[Sequence], choices: list[BeamChoice]) -> None:
+        """Apply one beam-search step: a beam chosen ``m`` times keeps one continuation and lends its blocks to
+        ``m - 1`` forks (forked before the token is appended); a beam not chosen ends and frees its blocks. No
+        choices: the search is done."""
+        group.forked = True
+        by_parent: dict[int, list[BeamChoice]] = {}
+        for c in choices:
+            by_parent.setdefault(c.parent, []).append(c)
+        survivors: list[Sequence] = []
+        for i, beam in enumerate(beams):
+            picks = by_parent.get(i, [])
+            if not picks:
+                beam.status = SequenceStatus.FINISHED_ABORTED
+                self.block_manager.free(beam.seq_id)
+                continue
+            forks = []
+            for _ in picks[1:]:
+                child = beam.fork(self.next_seq_id(), 0)
+                self.block_manager.fork(beam.seq_id, child.seq_id)
+                forks.append(child)
+            for seq, c in zip([beam] + forks, picks):
+                seq.token_ids.append(c.token_id)
+                seq.cumulative_logprob = c.cumulative_logprob
+                survivors.append(seq)
+        group.seqs = survivors  # dropped beams are already freed
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(failed=self._rejected)
+        bm = self.block_manager
+        out = SchedulerOutput(failed=self._rejected, block_tables=bm.block_tables)
         self._rejected = []
         budget = self.config.max_num_batched_tokens
         num_seqs = 0
-        bm = self.block_manager
 
         # 1. running groups, oldest first; preempt from the newest end when blocks run out
         queue = deque(self.running)
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.popleft()
-            seqs = group.seqs_with(SequenceStatus.RUNNING)
-            plan = [(s, self._chunk(s, budget)) for s in seqs]
-            plan = [(s, n) for s, n in plan if n > 0]
+            plan = self._plan(group.seqs_with(SequenceStatus.RUNNING), budget)
             if not plan or num_seqs + len(plan) > self.config.max_num_seqs:
                 kept.append(group)  # nothing fits in this step's budget; it keeps its blocks
                 continue
-            need = [(s.seq_id, s.num_computed_tokens, s.num_computed_tokens + n) for s, n in plan]
+            need = [(s.seq_id, self._write_start(group, s), s.num_computed_tokens + n) for s, n in plan]
             while not bm.can_append_slots(need):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
                 if victim is group:
                     break
             else:
-                for s, n in plan:
-                    out.blocks_to_copy += bm.append_slots(s.seq_id, s.num_computed_tokens, s.num_computed_tokens + n)
-                    self._commit(s, n)
-                    out.scheduled.append(ScheduledSequence(s, group, n))
-                    budget -= n
+                budget -= self._take(group, plan, out)
                 num_seqs += len(plan)
                 kept.append(group)
         self.running = kept
 
-        # 2. swapped groups come back first (FCFS) when their blocks fit
+        # 2. swapped groups come back first (FCFS) when their blocks and their next tokens' blocks fit
         while self.swapped and out.num_preempted == 0:
             group = self.swapped[0]
             seqs = group.seqs_with(SequenceStatus.SWAPPED)
-            ids = [s.seq_id for s in seqs]
-            if num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs) or not bm.can_swap_in(ids):
+            ids, extents = [s.seq_id for s in seqs], [(self._write_start(group, s), s.num_tokens) for s in seqs]
+            if (num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs)
+                    or not bm.can_swap_in(ids, extents)):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += bm.swap_in(ids)
             for s in seqs:
                 s.status = SequenceStatus.RUNNING
-            for s in seqs:
-                n = self._chunk(s, budget)
-                if n > 0:
-                    out.blocks_to_copy += bm.append_slots(s.seq_id, s.num_computed_tokens,
-                                                          s.num_computed_tokens + n)
-                    self._commit(s, n)
-                    out.scheduled.append(ScheduledSequence(s, group, n))
-                    budget -= n
+            budget -= self._take(group, self._plan(seqs, budget), out)
             num_seqs += len(seqs)
-            self.running.append(group)
+            _insert_by_arrival(self.running, group)
 
         # 3. new (or recompute-preempted) groups, only while nothing waits in the swap pool
         while self.waiting and not self.swapped and out.num_preempted == 0:
@@ -188,36 +205,89 @@ class Scheduler:
             seqs = group.seqs_with(SequenceStatus.WAITING)
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
-            status = bm.can_allocate([s.token_ids for s in seqs])
-            if status == AllocStatus.NEVER:  # e.g. recompute after growing past the pool: cannot ever run
+            shared = self._shared_prefix(seqs)
+            status = bm.can_allocate([s.token_ids for s in seqs], shared)
+            if status == AllocStatus.NEVER:  # cannot happen to a request _never_fits let in: fail it, never stall
                 self.waiting.popleft()
-                group.error = (f"the request's {sum(s.num_tokens for s in seqs)} tokens no longer fit in the KV "
-                               f"pool of {bm.gpu.num_blocks} blocks")
+                group.error = (f"internal error: the request's {sum(s.num_tokens for s in seqs)} tokens do not fit "
+                               f"in the KV pool of {bm.gpu.num_blocks} blocks")
                 for s in group.unfinished_seqs():
                     s.status = SequenceStatus.FINISHED_ERROR
-                    bm.free(s.seq_id)
                 out.failed.append(group)
                 continue
             if status == AllocStatus.LATER:
                 break
-            # the whole group must start this step (its prompt chunks share the budget)
-            remaining = [s.num_tokens for s in seqs]
-            if not self.config.enable_chunked_prefill and sum(remaining) > budget:
+            # without chunked prefill each sequence computes all its tokens in one step: the first one now, the others
+            # of a recomputed group (sharing its leading blocks) as the budget allows
+            if not self.config.enable_chunked_prefill and seqs[0].num_tokens > budget:
                 break
             if budget < len(seqs):
                 break
             self.waiting.popleft()
-            for s in seqs:
-                s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids)
-                s.status = SequenceStatus.RUNNING
-                n = self._chunk(s, budget)
-                if n > 0:
-                    self._commit(s, n)
-                    out.scheduled.append(ScheduledSequence(s, group, n))
-                    budget -= n
+            self._allocate(group, seqs, shared)
+            budget -= self._take(group, self._plan(seqs, budget), out)
             num_seqs += len(seqs)
-            self.running.append(group)
+            _insert_by_arrival(self.running, group)
         return out
+
+    def _shared_prefix(self, seqs: list[Sequence]) -> int:
+        """Leading tokens (whole blocks, short of every sequence's last token) that all of ``seqs`` have in common:
+        when a group forked earlier is recomputed, they are computed once and shared again."""
+        if len(seqs) < 2:
+            return 0
+        first, limit = seqs[0].token_ids, min(s.num_tokens for s in seqs) - 1
+        common = next((i for i in range(limit) if any(s.token_ids[i] != first[i] for s in seqs)), limit)
+        return common // self.block_manager.block_size * self.block_manager.block_size
+
+    def _allocate(self, group: SequenceGroup, seqs: list[Sequence], shared: int) -> None:
+        """Block tables for a waiting group, all at once. After a recompute of a forked group the first sequence
+        (the leader) recomputes the ``shared`` leading tokens for all of them and the others share its blocks.
+        They never read those blocks before they are written: the leader is planned first and takes
+        ``min(remaining, budget)``, so while it is short of ``shared`` the budget is spent (chunked prefill) —
+        without chunked prefill it computes all its tokens in the step it is admitted — and in the step it gets
+        there its K/V are written before any attention reads them."""
+        bm = self.block_manager
+        leader = seqs[0]
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
+        for s in seqs[1:]:
+            if shared:
+                bm.fork(leader.seq_id, s.seq_id, shared)
+                bm.append_slots(s.seq_id, shared, s.num_tokens)  # fresh blocks only: nothing shared is written
+                s.num_computed_tokens = shared
+            else:
+                s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids)
+        group.shared_prefill = (leader, shared) if shared else None
+        for s in seqs:
+            s.status = SequenceStatus.RUNNING
+
+    def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute this step) for those of ``seqs`` that fit in ``budget``, in order."""
+        plan = []
+        for s in seqs:
+            n = self._chunk(s, budget)
+            if n > 0:
+                plan.append((s, n))
+                budget -= n
+        return plan
+
+    @staticmethod
+    def _write_start(group: SequenceGroup, seq: Sequence) -> int:
+        """Where copy-on-write starts for ``seq``'s next tokens: the leader of a shared prefill writes the shared
+        blocks for everyone (no copy), everyone else from the first token it computes."""
+        shared = group.shared_prefill
+        if shared is not None and seq is shared[0]:
+            return max(seq.num_computed_tokens, shared[1])
+        return seq.num_computed_tokens
+
+    def _take(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> int:
+        """Schedule a plan: grow each block table to its chunk (copy-on-write copies go to ``out``) and record the
+        blocks that will hold computed K/V. Returns the tokens taken from the budget."""
+        for s, n in plan:
+            end = s.num_computed_tokens + n
+            out.blocks_to_copy += self.block_manager.append_slots(s.seq_id, self._write_start(group, s), end)
+            self._commit(s, n)
+            out.scheduled.append(ScheduledSequence(s, group, n))
+        return sum(n for _, n in plan)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -249,11 +319,13 @@ class Scheduler:
             self.block_manager.free(s.seq_id)
             s.num_computed_tokens = 0
             s.status = SequenceStatus.WAITING
+        group.shared_prefill = None  # re-admission computes the shared prefix again
         _insert_by_arrival(self.waiting, group)
 
 
-def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
-    """Preempted groups keep their first-come-first-served place."""
+def _insert_by_arrival(queue: deque[SequenceGroup] | list[SequenceGroup], group: SequenceGroup) -> None:
+    """Every queue stays in arrival order (first come, first served; the latest arrival is evicted first), also
+    for arrival times given to ``add_request`` and for groups coming back from preemption."""
     for i, other in enumerate(queue):
         if other.arrival_time > group.arrival_time:
             queue.insert(i, group)

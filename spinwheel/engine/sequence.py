@@ -123,6 +123,9 @@ class SequenceGroup:
     finished_beams: list[FinishedBeam] = field(default_factory=list)
     beam_improvable: bool = True
     forked: bool = False  # parallel samples / beams created from the prompt sequence
+    # after a recompute of a forked group: (the sequence recomputing the shared leading tokens, how many); the
+    # others share its blocks and wait until it has computed them
+    shared_prefill: tuple[Sequence, int] | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -1,0 +1,95 @@
+"""From sampled tokens to what a caller sees: stop checks, prompt logprobs and :class:`RequestOutput` building.
+
+The engine appends each sampled token to its sequence and asks :meth:`OutputProcessor.check_stop` whether the
+sequence is done (a stop token, EOS once ``min_tokens`` are out, a stop string in the detokenised text, ``max_tokens``
+or the model context); :meth:`OutputProcessor.request_output` turns a group into its cumulative output, which a
+streaming server diffs against the previous one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spinwheel.engine.model_runner import StepLogits
+from spinwheel.engine.outputs import CompletionOutput, RequestOutput
+from spinwheel.engine.sampler import top_logprobs
+from spinwheel.engine.sampling_params import SamplingParams
+from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from spinwheel.models.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+
+    def check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        """Finish ``seq`` if its last token ends it; a stop string also cuts ``seq.text`` where it starts (or, with
+        ``include_stop_str_in_output``, where it ends)."""
+        token = seq.token_ids[-1]
+        if token in params.stop_token_ids:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif not params.ignore_eos and token in self.eos_ids and seq.num_output_tokens >= params.min_tokens:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif params.stop and self.tokenizer is not None and seq.num_output_tokens >= params.min_tokens:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            hits = [(text.find(s), s) for s in params.stop if s and s in text]
+            if hits:
+                pos, stop = min(hits)
+                seq.text = text[:pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if not seq.status.is_finished and (seq.num_output_tokens >= params.max_tokens
+                                           or seq.num_tokens >= self.max_model_len):
+            seq.status = SequenceStatus.FINISHED_LENGTH
+
+    @staticmethod
+    def record_prompt_logprobs(group: SequenceGroup, seq: Sequence, step: StepLogits, num_new: int) -> None:
+        """Append the prompt logprobs of the chunk of ``num_new`` tokens starting at ``seq.num_computed_tokens``
+        (row i of the chunk predicts prompt token start + i + 1)."""
+        start_row, end_row = step.prompt_rows[seq.seq_id]
+        lps = torch.log_softmax(step.logits[start_row:end_row], dim=-1)  # (num_new, V)
+        first = seq.num_computed_tokens
+        k = group.params.prompt_logprobs or 0
+        assert group.prompt_logprobs is not None
+        for i in range(num_new):
+            pos = first + i + 1
+            if pos >= seq.num_prompt_tokens or pos < len(group.prompt_logprobs):
+                continue
+            while len(group.prompt_logprobs) < pos:  # positions served by the prefix cache have no logits
+                group.prompt_logprobs.append(None)
+            group.prompt_logprobs.append(top_logprobs(lps[i], seq.token_ids[pos], k))
+
+    def decode(self, ids: list[int], params: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def request_output(self, group: SequenceGroup) -> RequestOutput:
+        """The group's cumulative output: one completion per sample, or per beam (finished hypotheses, best first,
+        once the search is done)."""
+        params = group.params
+        outs: list[CompletionOutput] = []
+        if params.use_beam_search:
+            if group.is_finished and group.error is None and group.finished_beams:
+                for i, f in enumerate(group.finished_beams):
+                    outs.append(CompletionOutput(i, self.decode(f.token_ids, params), list(f.token_ids),
+                                                 f.cumulative_logprob, None, f.finish_reason, score=f.score))
+            else:
+                reason = None if not group.is_finished else ("error" if group.error else "abort")
+                for i, s in enumerate(group.seqs or []):
+                    outs.append(CompletionOutput(i, self.decode(s.output_token_ids, params), s.output_token_ids,
+                                                 s.cumulative_logprob, None, reason))
+        else:
+            for s in sorted(group.seqs, key=lambda s: s.index):
+                text = s.text if isinstance(s.stop_reason, str) else self.decode(s.output_token_ids, params)
+                outs.append(CompletionOutput(s.index, text, s.output_token_ids, s.cumulative_logprob,
+                                             s.logprobs if params.logprobs is not None else None,
+                                             s.status.finish_reason, s.stop_reason))
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        if group.finish_time is not None:
+            metrics["finish_time"] = group.finish_time
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.is_finished,
+                             group.prompt_logprobs, group.error, metrics)
