@@ -92,6 +92,29 @@ def test_grpo_loop_one_process(tmp_path):
     assert result["eval_after"] is not None
 
 
+def test_on_policy_shortcut_equals_the_old_policy_forward(tmp_path, monkeypatch):
+    """One update per rollout reuses the update's own log-probs as the old policy's: the same steps as running the
+    separate old-policy forward (losses, KL, mismatch, TIS weights and the final weights)."""
+    import spinwheel.rl.llm.loop as loop
+
+    def run(name: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        train_rl(small_config(tmp_path / name, steps=3, tis_cap=2.0))
+        from spinwheel.models.hf import load_model
+
+        recs = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "reward_mean" in r]
+        return recs, load_model(tmp_path / name / "checkpoint").state_dict()
+
+    fast, fast_w = run("fast")
+    monkeypatch.setattr(loop, "reuses_update_logprobs", lambda *a: False)
+    exact, exact_w = run("exact")
+    assert [r["reward_mean"] for r in fast] == [r["reward_mean"] for r in exact]
+    for key in ("loss", "kl_ref", "kl", "mismatch_max", "mismatch_mean", "is_weight_mean", "ratio_mean"):
+        assert [r[key] for r in fast] == pytest.approx([r[key] for r in exact], rel=RTOL, abs=1e-6), key
+    assert all(r["approx_kl"] == 0.0 and r["clip_frac"] == 0.0 for r in fast)  # exactly on-policy: log ratio 0
+    for name, w in fast_w.items():
+        torch.testing.assert_close(w, exact_w[name], rtol=RTOL, atol=1e-6)
+
+
 LAYOUTS = [("dp2", dict(dp=2)), ("zero3", dict(zero=3)), ("tp2", dict(tp=2)), ("pp2", dict(pp=2, microbatches=2))]
 
 
