@@ -60,6 +60,32 @@ def test_rollout_batch_layout():
     assert len({sample_seed(0, s, i) for s in range(50) for i in range(50)}) == 2500
 
 
+def test_shared_prompt_forward_equals_one_row_per_completion():
+    """The local learner runs each group's prompt once (packed rows, block mask): the same log-probs, entropies and
+    gradients as the plain padded forward of every row, and zeros off the completions."""
+    from spinwheel.models.hf import load_model
+    from spinwheel.train.learners import local_outputs
+
+    tok = Tokenizer.char_level()
+    model = load_model("test", seed=3, vocab_size=tok.vocab_size)
+    prompts = [Prompt(t, tuple(tok.encode(t)), "") for t in ("12+34=", "5+6=", "12+34=")]  # a prompt seen twice
+    gen = torch.Generator().manual_seed(0)
+    comps = [torch.randint(4, 40, (int(n),), generator=gen).tolist() for n in torch.randint(1, 7, (9,), generator=gen)]
+    batch = rollout_batch(Rollout(prompts, 3, comps, [[0.0] * len(c) for c in comps], [""] * 9), pad_id=0)
+    plain = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    shared = {**plain, "prompt_lens": batch["prompt_lens"], "completion_lens": batch["completion_lens"]}
+    mask = batch["mask"]
+    ref, out = local_outputs(model, plain, entropy=True), local_outputs(model, shared, entropy=True)
+    torch.testing.assert_close(out.logprobs * mask, ref.logprobs * mask, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.entropy * mask, ref.entropy * mask, rtol=1e-5, atol=1e-6)
+    assert out.logprobs[mask == 0].abs().max() == 0 and out.entropy[mask == 0].abs().max() == 0
+    w = torch.randn(mask.shape, generator=gen) * mask
+    params = list(model.parameters())
+    for g_ref, g in zip(torch.autograd.grad((ref.logprobs * w).sum(), params),
+                        torch.autograd.grad((out.logprobs * w).sum(), params)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+
+
 def test_reward_functions_are_checked(tmp_path, monkeypatch):
     task = load_reward_fn("task")
     assert score(task, ["12", "1"], ["12", "2"]).tolist() == [1.0, 0.0]

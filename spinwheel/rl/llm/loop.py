@@ -159,6 +159,8 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
             t["score"] = time.perf_counter()
             batch = {k: v.to(config.device) for k, v in rollout_batch(rollout, pad_id).items()}
             inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+            if not learner.distributed:  # the local learner runs each group's shared prompt once
+                inputs.update(prompt_lens=batch["prompt_lens"], completion_lens=batch["completion_lens"])
             old = None if on_policy else learner.forward(inputs)["logprobs"]
             ref_logp = ref.forward(inputs)["logprobs"] if ref is not None else None
             t["logprobs"] = time.perf_counter()
@@ -169,8 +171,7 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
                 from spinwheel.rl.llm_advantages import dynamic_sampling_mask
 
                 keep = dynamic_sampling_mask(rewards, config.group_size).float().to(mask.device)
-            per_row = {"input_ids": batch["input_ids"], "labels": batch["labels"], "advantages": advantages,
-                       "mask": mask * keep[:, None]}
+            per_row = {**inputs, "advantages": advantages, "mask": mask * keep[:, None]}
             if ref_logp is not None:
                 per_row["ref_logprobs"] = ref_logp
             if old is not None:

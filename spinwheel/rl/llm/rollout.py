@@ -108,7 +108,8 @@ def generate_rollout(llm: LLM, prompts: list[Prompt], step: int, seed: int, grou
 
 def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded tensors of the rollout (see the module docstring): ``input_ids``, ``labels``, ``mask`` and
-    ``engine_logprobs`` (0 off the mask), all (B, T)."""
+    ``engine_logprobs`` (0 off the mask), all (B, T); ``prompt_lens`` and ``completion_lens`` (B,), with which a
+    one-process learner runs each group's shared prompt once."""
     rows = [list(p.ids) + c for p, c in zip(rollout.row_prompts, rollout.completion_ids)]
     t = max(len(r) for r in rows) - 1
     b = len(rows)
@@ -120,7 +121,10 @@ def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
         tokens[i, :n + len(c)] = torch.tensor(list(p.ids) + c)
         mask[i, n - 1:n - 1 + len(c)] = 1.0  # label at position n-1 is the first completion token
         engine[i, n - 1:n - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask, "engine_logprobs": engine}
+    prompt_lens = torch.tensor([len(p.ids) for p in rollout.row_prompts])
+    completion_lens = torch.tensor([len(c) for c in rollout.completion_ids])
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask, "engine_logprobs": engine,
+            "prompt_lens": prompt_lens, "completion_lens": completion_lens}
 
 
 def prompts_from_task(tokenizer: Tokenizer, examples) -> list[Prompt]:
