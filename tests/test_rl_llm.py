@@ -60,6 +60,32 @@ def test_rollout_batch_layout():
     assert len({sample_seed(0, s, i) for s in range(50) for i in range(50)}) == 2500
 
 
+def test_shared_prompt_forward_equals_one_row_per_completion():
+    """The local learner runs each group's prompt once (packed rows, block mask): the same log-probs, entropies and
+    gradients as the plain padded forward of every row, and zeros off the completions."""
+    from spinwheel.models.hf import load_model
+    from spinwheel.train.learners import local_outputs
+
+    tok = Tokenizer.char_level()
+    model = load_model("test", seed=3, vocab_size=tok.vocab_size)
+    prompts = [Prompt(t, tuple(tok.encode(t)), "") for t in ("12+34=", "5+6=", "12+34=")]  # a prompt seen twice
+    gen = torch.Generator().manual_seed(0)
+    comps = [torch.randint(4, 40, (int(n),), generator=gen).tolist() for n in torch.randint(1, 7, (9,), generator=gen)]
+    batch = rollout_batch(Rollout(prompts, 3, comps, [[0.0] * len(c) for c in comps], [""] * 9), pad_id=0)
+    plain = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    shared = {**plain, "prompt_lens": batch["prompt_lens"], "completion_lens": batch["completion_lens"]}
+    mask = batch["mask"]
+    ref, out = local_outputs(model, plain, entropy=True), local_outputs(model, shared, entropy=True)
+    torch.testing.assert_close(out.logprobs * mask, ref.logprobs * mask, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.entropy * mask, ref.entropy * mask, rtol=1e-5, atol=1e-6)
+    assert out.logprobs[mask == 0].abs().max() == 0 and out.entropy[mask == 0].abs().max() == 0
+    w = torch.randn(mask.shape, generator=gen) * mask
+    params = list(model.parameters())
+    for g_ref, g in zip(torch.autograd.grad((ref.logprobs * w).sum(), params),
+                        torch.autograd.grad((out.logprobs * w).sum(), params)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+
+
 def test_reward_functions_are_checked(tmp_path, monkeypatch):
     task = load_reward_fn("task")
     assert score(task, ["12", "1"], ["12", "2"]).tolist() == [1.0, 0.0]
@@ -90,6 +116,29 @@ def test_grpo_loop_one_process(tmp_path):
     assert any("eval_exact_match" in r for r in read_metrics(tmp_path / "metrics.jsonl"))
     assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "checkpoint" / "config.json").is_file()
     assert result["eval_after"] is not None
+
+
+def test_on_policy_shortcut_equals_the_old_policy_forward(tmp_path, monkeypatch):
+    """One update per rollout reuses the update's own log-probs as the old policy's: the same steps as running the
+    separate old-policy forward (losses, KL, mismatch, TIS weights and the final weights)."""
+    import spinwheel.rl.llm.loop as loop
+
+    def run(name: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        train_rl(small_config(tmp_path / name, steps=3, tis_cap=2.0))
+        from spinwheel.models.hf import load_model
+
+        recs = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "reward_mean" in r]
+        return recs, load_model(tmp_path / name / "checkpoint").state_dict()
+
+    fast, fast_w = run("fast")
+    monkeypatch.setattr(loop, "reuses_update_logprobs", lambda *a: False)
+    exact, exact_w = run("exact")
+    assert [r["reward_mean"] for r in fast] == [r["reward_mean"] for r in exact]
+    for key in ("loss", "kl_ref", "kl", "mismatch_max", "mismatch_mean", "is_weight_mean", "ratio_mean"):
+        assert [r[key] for r in fast] == pytest.approx([r[key] for r in exact], rel=RTOL, abs=1e-6), key
+    assert all(r["approx_kl"] == 0.0 and r["clip_frac"] == 0.0 for r in fast)  # exactly on-policy: log ratio 0
+    for name, w in fast_w.items():
+        torch.testing.assert_close(w, exact_w[name], rtol=RTOL, atol=1e-6)
 
 
 LAYOUTS = [("dp2", dict(dp=2)), ("zero3", dict(zero=3)), ("tp2", dict(tp=2)), ("pp2", dict(pp=2, microbatches=2))]

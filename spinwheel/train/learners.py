@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spinwheel.models.tokenizer import Tokenizer
-from spinwheel.models.transformer import Transformer, token_logprobs
+from spinwheel.models.transformer import AttentionMask, Transformer, token_logprobs
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
 from spinwheel.parallel.mesh import ParallelDims
@@ -62,7 +62,11 @@ class Learner(Protocol):
 
 
 def local_outputs(model: nn.Module, batch: Batch, entropy: bool) -> TokenOutputs:
-    """The reference per-token outputs: one plain forward, log-softmax over the full vocabulary."""
+    """The reference per-token outputs: one plain forward, log-softmax over the full vocabulary. A batch that says
+    where its prompts end (``prompt_lens``, ``completion_lens``) runs each distinct prompt once
+    (:func:`shared_prompt_outputs`)."""
+    if "prompt_lens" in batch and not is_scalar_head(model.config) and bool(batch["completion_lens"].gt(0).any()):
+        return shared_prompt_outputs(model, batch, entropy)
     out = model(batch["input_ids"])
     if is_scalar_head(model.config):
         return TokenOutputs(values=out[..., 0].float())
@@ -72,6 +76,71 @@ def local_outputs(model: nn.Module, batch: Batch, entropy: bool) -> TokenOutputs
             logp = F.log_softmax(out.float(), dim=-1)
             ent = -(logp.exp() * logp).sum(-1)
     return TokenOutputs(logprobs=token_logprobs(out, batch["labels"]), entropy=ent)
+
+
+def shared_prompt_outputs(model: Transformer, batch: Batch, entropy: bool) -> TokenOutputs:
+    """:func:`local_outputs` of rollout rows (``prompt + completion``, right-padded) with every distinct prompt run
+    once for all the completions that continue it — G of them in a GRPO group — instead of once per row.
+
+    ``batch["prompt_lens"]`` / ``["completion_lens"]`` (B,) give row i's prompt length n_i and completion length c_i
+    (labels ``n_i − 1 .. n_i + c_i − 2`` are its completion). The rows of one prompt become one packed row,
+    ``prompt · completion₀[:-1] · completion₁[:-1] · …``, each completion at positions ``n, n+1, …`` and attending to
+    the prompt and causally to itself only (a block mask), so every token sees exactly the context it has in its own
+    row: the same log-probs up to float rounding, for ``P·n + Σ c`` tokens instead of ``B·(n + c)``. The last prompt
+    token predicts every completion's first token. Returns (B, T) log-probs (and entropy) at the completion labels,
+    0 elsewhere.
+    """
+    ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+    lens = batch["completion_lens"].tolist()
+    b, t = batch["input_ids"].shape
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, n in enumerate(batch["prompt_lens"].tolist()):
+        if lens[i] > 0:
+            groups.setdefault(tuple(ids[i][:n]), []).append(i)
+    tokens: list[list[int]] = []
+    positions: list[list[int]] = []
+    segments: list[list[int]] = []  # -1: prompt; j: the group's j-th completion
+    src: list[tuple[int, int]] = []  # (packed row, index) of the hidden state that predicts each completion label
+    tgt: list[int] = []
+    dst: list[int] = []  # where that label's log-prob goes in the flattened (B, T) output
+    for r, (prompt, rows) in enumerate(groups.items()):
+        n = len(prompt)
+        row_tokens, row_pos, row_seg = list(prompt), list(range(n)), [-1] * n
+        for j, i in enumerate(rows):
+            c, start = lens[i], len(row_tokens)
+            row_tokens += ids[i][n:n + c - 1]  # the completion's last token is only a label
+            row_pos += range(n, n + c - 1)
+            row_seg += [j] * (c - 1)
+            src += [(r, n - 1)] + [(r, start + k) for k in range(c - 1)]
+            tgt += labels[i][n - 1:n - 1 + c]
+            dst += range(i * t + n - 1, i * t + n - 1 + c)
+        tokens.append(row_tokens)
+        positions.append(row_pos)
+        segments.append(row_seg)
+    length = max(len(x) for x in tokens)
+    device = batch["input_ids"].device
+
+    def padded(rows: list[list[int]], fill: int) -> torch.Tensor:
+        return torch.tensor([x + [fill] * (length - len(x)) for x in rows], dtype=torch.long, device=device)
+
+    seg = padded(segments, -2)  # (P, L); padding is its own segment, so padded queries see something
+    q_idx = torch.arange(length, device=device)
+    causal = q_idx[None, :] <= q_idx[:, None]  # (L, L): key ≤ query
+    allowed = causal & ((seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None]))  # (P, L, L)
+    hidden = model(padded(tokens, 0), positions=padded(positions, 0), attn_metadata=AttentionMask(allowed[:, None]),
+                   return_hidden=True)  # (P, L, C)
+    flat = torch.tensor([r * length + k for r, k in src], device=device)
+    logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat))  # (M, V), M = Σ c
+    target = torch.tensor(tgt, device=device)
+    where = torch.tensor(dst, device=device)
+    logp = token_logprobs(logits, target)  # (M,)
+    out = TokenOutputs(logprobs=logp.new_zeros(b * t).index_copy(0, where, logp).view(b, t))
+    if entropy:
+        with torch.no_grad():
+            full = F.log_softmax(logits.float(), dim=-1)
+            ent = -(full.exp() * full).sum(-1)
+            out.entropy = ent.new_zeros(b * t).index_copy(0, where, ent).view(b, t)
+    return out
 
 
 class LocalLearner:

@@ -8,6 +8,8 @@ shards parameters (ZeRO-3 / FSDP, TP, PP) each rank gathers the full weights int
 (the time is logged as ``time/sync``, the copy's size as ``engine_copy_mb``). Ratios are exact: old-policy log-probs
 come from the trainer's forward, and the engine's own log-probs only measure the sampler/trainer mismatch
 (``mismatch_max`` / ``mismatch_mean``), optionally corrected by truncated importance sampling (``--tis-cap``).
+With one update per rollout in one process the old policy *is* the policy being trained: its log-probs are the
+update's own forward, detached, and no separate old-policy forward runs (:func:`reuses_update_logprobs`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.hf import load_model
 from spinwheel.models.transformer import scalar_head_model
 from spinwheel.models.tokenizer import load_tokenizer
+from spinwheel.parallel.token_outputs import TokenOutputs
+from spinwheel.parallel.trainer import Batch, LossFn
 from spinwheel.rl.llm.algorithms import GroupPolicyGradient
 from spinwheel.rl.llm.ppo import PPO
 from spinwheel.rl.llm.trpo import TRPO
@@ -51,6 +55,18 @@ def load_prompts(config: RLConfig, tokenizer) -> tuple[list[Prompt], list[Prompt
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
     num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
     return [rows[i] for i in order[num_eval:]], [rows[i] for i in order[:num_eval]]
+
+
+def reuses_update_logprobs(config: RLConfig, algo, learner: Learner) -> bool:
+    """Whether the old-policy log-probs can be the update's own (detached) instead of a separate forward.
+
+    With one update per rollout in one process the old policy is the current one (ratio exactly 1), so the extra
+    no-grad forward is redundant; the loss hands its log-probs back for the mismatch and KL figures. Several updates
+    (μ > 1 or minibatches), REINFORCE++'s KL in the reward (needed before the update) and parallel layouts (each
+    rank's loss sees only its rows) keep the exact forward.
+    """
+    return (config.updates_per_step == 1 and not getattr(algo, "kl_in_reward", False) and not learner.distributed
+            and config.algo not in ("ppo", "trpo"))  # PPO's KL reward and TRPO's surrogate need them first
 
 
 def train_rl(config: RLConfig) -> dict[str, Any]:
@@ -133,6 +149,14 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
     total_updates = config.steps * config.updates_per_step
     history: list[dict[str, Any]] = []
+    on_policy = reuses_update_logprobs(config, algo, learner)
+    trained: list[torch.Tensor] = []
+
+    def loss_fn(out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if on_policy and out.logprobs is not None:
+            trained.append(out.logprobs.detach())
+        return algo.loss(out, mb)
+
     bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step, desc=config.algo,
                disable=not (config.progress and learner.is_main), dynamic_ncols=True,
                mininterval=1.0 if sys.stderr.isatty() else 10.0)
@@ -149,7 +173,9 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
             t["score"] = time.perf_counter()
             batch = {k: v.to(config.device) for k, v in rollout_batch(rollout, pad_id).items()}
             inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
-            old = learner.forward(inputs)["logprobs"]
+            if not learner.distributed:  # the local learner runs each group's shared prompt once
+                inputs.update(prompt_lens=batch["prompt_lens"], completion_lens=batch["completion_lens"])
+            old = None if on_policy else learner.forward(inputs)["logprobs"]
             ref_logp = ref.forward(inputs)["logprobs"] if ref is not None else None
             t["logprobs"] = time.perf_counter()
             mask = batch["mask"]
@@ -159,13 +185,19 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
                 from spinwheel.rl.llm_advantages import dynamic_sampling_mask
 
                 keep = dynamic_sampling_mask(rewards, config.group_size).float().to(mask.device)
-            per_row = {"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logprobs": old,
-                       "mask": mask * keep[:, None], **prepared}
+            per_row = {**inputs, "mask": mask * keep[:, None], **prepared}
             if ref_logp is not None:
                 per_row["ref_logprobs"] = ref_logp
-            if config.tis_cap is not None:
-                per_row["is_weights"] = truncated_is_weights(old, batch["engine_logprobs"], config.tis_cap)
-            stats = _update(config, learner, algo, per_row, step, total_updates)
+            if old is not None:
+                per_row["old_logprobs"] = old
+                if config.tis_cap is not None:
+                    per_row["is_weights"] = truncated_is_weights(old, batch["engine_logprobs"], config.tis_cap)
+            elif config.tis_cap is not None:
+                per_row["engine_logprobs"] = batch["engine_logprobs"]  # the loss weights by its own log-probs
+            trained.clear()
+            stats = _update(config, learner, algo, loss_fn, per_row, step, total_updates)
+            if old is None:
+                old = trained[0]  # the update's own forward: the rollout policy's log-probs, detached
             t["update"] = time.perf_counter()
             learner.sync_engine_model()
             llm.update_weights(learner.engine_model)  # ZeRO-1/2 write through flat buckets: repack explicitly
@@ -234,7 +266,7 @@ def make_algorithm(config: RLConfig, initial_policy, distributed: bool, dims, cr
     return algo
 
 
-def _update(config: RLConfig, learner: Learner, algo, per_row: dict[str, torch.Tensor],
+def _update(config: RLConfig, learner: Learner, algo, loss_fn: LossFn, per_row: dict[str, torch.Tensor],
             step: int, total_updates: int) -> dict[str, float]:
     """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch (TRPO: one trust-region step);
     PPO steps its critic on each minibatch too. Returns the mean stats."""
@@ -248,15 +280,19 @@ def _update(config: RLConfig, learner: Learner, algo, per_row: dict[str, torch.T
     n = 0
     for epoch in range(config.epochs):
         gen = torch.Generator().manual_seed((config.seed * 1_000_003 + step) * 97 + epoch)
-        order = torch.randperm(b, generator=gen) if config.minibatches > 1 else torch.arange(b)
+        order = torch.randperm(b, generator=gen) if config.minibatches > 1 else None
         for k in range(config.minibatches):
-            rows = order[k * size:(k + 1) * size].to(per_row["input_ids"].device)
-            mb = {key: v[rows] for key, v in per_row.items() if key != "mask"}
-            mb["weights"] = token_weights(per_row["mask"][rows], config.loss_agg, max_len=config.max_new_tokens)
+            if order is None:  # the whole batch in its order: no copies
+                mb, mask = {key: v for key, v in per_row.items() if key != "mask"}, per_row["mask"]
+            else:
+                rows = order[k * size:(k + 1) * size].to(per_row["input_ids"].device)
+                mb = {key: v[rows] for key, v in per_row.items() if key != "mask"}
+                mask = per_row["mask"][rows]
+            mb["weights"] = token_weights(mask, config.loss_agg, max_len=config.max_new_tokens)
             update = step * config.updates_per_step + n
             lr = lr_at(update, config.lr, config.warmup_steps, total_updates, config.min_lr_ratio)
-            out = learner.train_step(mb, algo.loss, lr, entropy=True)
-            extra = algo.critic_step(mb, per_row["mask"][rows], lr / config.lr) if isinstance(algo, PPO) else {}
+            out = learner.train_step(mb, loss_fn, lr, entropy=True)
+            extra = algo.critic_step(mb, mask, lr / config.lr) if isinstance(algo, PPO) else {}
             for key, v in {**out.stats, **extra, "loss": out.loss, "grad_norm": out.grad_norm or 0.0,
                            "lr": lr}.items():
                 sums[key] = sums.get(key, 0.0) + v

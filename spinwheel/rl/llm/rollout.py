@@ -108,19 +108,24 @@ def generate_rollout(llm: LLM, prompts: list[Prompt], step: int, seed: int, grou
 
 def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded tensors of the rollout (see the module docstring): ``input_ids``, ``labels``, ``mask`` and
-    ``engine_logprobs`` (0 off the mask), all (B, T)."""
-    rows = [list(p.ids) + c for p, c in zip(rollout.row_prompts, rollout.completion_ids)]
-    t = max(len(r) for r in rows) - 1
-    b = len(rows)
-    tokens = torch.full((b, t + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, t)
-    engine = torch.zeros(b, t)
-    for i, (p, c, lp) in enumerate(zip(rollout.row_prompts, rollout.completion_ids, rollout.engine_logprobs)):
-        n = len(p.ids)
-        tokens[i, :n + len(c)] = torch.tensor(list(p.ids) + c)
-        mask[i, n - 1:n - 1 + len(c)] = 1.0  # label at position n-1 is the first completion token
-        engine[i, n - 1:n - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask, "engine_logprobs": engine}
+    ``engine_logprobs`` (0 off the mask), all (B, T); ``prompt_lens`` and ``completion_lens`` (B,), with which a
+    one-process learner runs each group's shared prompt once."""
+    prompts, comps = rollout.row_prompts, rollout.completion_ids
+    width = max(len(p.ids) + len(c) for p, c in zip(prompts, comps))  # T + 1
+    tokens_rows, mask_rows, engine_rows = [], [], []
+    for p, c, lp in zip(prompts, comps, rollout.engine_logprobs):  # rows as lists, one tensor each at the end
+        n, pad = len(p.ids), width - len(p.ids) - len(c)
+        tokens_rows.append([*p.ids, *c] + [pad_id] * pad)
+        # label at position n-1 is the first completion token
+        mask_rows.append([0.0] * (n - 1) + [1.0] * len(c) + [0.0] * pad)
+        engine_rows.append([0.0] * (n - 1) + list(lp) + [0.0] * (width - n - len(lp)))
+    tokens = torch.tensor(tokens_rows, dtype=torch.long)
+    mask = torch.tensor(mask_rows, dtype=torch.float32)
+    engine = torch.tensor(engine_rows, dtype=torch.float32)
+    prompt_lens = torch.tensor([len(p.ids) for p in prompts])
+    completion_lens = torch.tensor([len(c) for c in comps])
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask, "engine_logprobs": engine,
+            "prompt_lens": prompt_lens, "completion_lens": completion_lens}
 
 
 def prompts_from_task(tokenizer: Tokenizer, examples) -> list[Prompt]:
