@@ -5,4 +5,6 @@ setup:
 demo: setup
 	.venv/bin/spinwheel demo
 test: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest -q

@@ -35,10 +35,34 @@ from spinwheel.rl.classic.envs import evaluate_policy  # noqa: E402
 # Hyperparameters per (algo, env), used by both libraries. PPO: the rl-baselines3-zoo CartPole tuning with a
 # constant clip range; TRPO: a 1024-step batch, δ = 0.02.
 SETTINGS = {
-    "ppo": dict(num_envs=8, num_steps=32, minibatch_size=256, update_epochs=20, gamma=0.98, gae_lambda=0.8,
-                lr=1e-3, anneal_lr=True, clip_range=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5),
-    "trpo": dict(num_envs=4, num_steps=256, minibatch_size=128, update_epochs=10, gamma=0.99, gae_lambda=0.95,
-                 vf_lr=1e-3, max_kl=0.02, cg_iters=10, cg_damping=0.1, backtrack_coef=0.8, backtrack_iters=10),
+    "ppo": dict(
+        num_envs=8,
+        num_steps=32,
+        minibatch_size=256,
+        update_epochs=20,
+        gamma=0.98,
+        gae_lambda=0.8,
+        lr=1e-3,
+        anneal_lr=True,
+        clip_range=0.2,
+        ent_coef=0.0,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+    ),
+    "trpo": dict(
+        num_envs=4,
+        num_steps=256,
+        minibatch_size=128,
+        update_epochs=10,
+        gamma=0.99,
+        gae_lambda=0.95,
+        vf_lr=1e-3,
+        max_kl=0.02,
+        cg_iters=10,
+        cg_damping=0.1,
+        backtrack_coef=0.8,
+        backtrack_iters=10,
+    ),
 }
 
 
@@ -54,12 +78,24 @@ class SB3Adapter:
 
 
 def run_spinwheel(algo: str, env: str, steps: int, seed: int, eval_episodes: int, out_root: str) -> dict:
-    config = ClassicConfig(algo=algo, env=env, steps=steps, seed=seed, eval_episodes=eval_episodes,
-                           out_dir=f"{out_root}/spinwheel-{algo}-{seed}", progress=False, **SETTINGS[algo])
+    config = ClassicConfig(
+        algo=algo,
+        env=env,
+        steps=steps,
+        seed=seed,
+        eval_episodes=eval_episodes,
+        out_dir=f"{out_root}/spinwheel-{algo}-{seed}",
+        progress=False,
+        **SETTINGS[algo],
+    )
     result = train(config)
-    return {"eval_mean": result["eval_return_mean"], "eval_std": result["eval_return_std"],
-            "env_steps": result["env_steps"], "train_s": result["train_seconds"],
-            "cpu_s": result["train_cpu_seconds"]}
+    return {
+        "eval_mean": result["eval_return_mean"],
+        "eval_std": result["eval_return_std"],
+        "env_steps": result["env_steps"],
+        "train_s": result["train_seconds"],
+        "cpu_s": result["train_cpu_seconds"],
+    }
 
 
 def run_sb3(algo: str, env: str, steps: int, seed: int, eval_episodes: int) -> dict:
@@ -72,26 +108,56 @@ def run_sb3(algo: str, env: str, steps: int, seed: int, eval_episodes: int) -> d
         from stable_baselines3 import PPO
 
         lr = s["lr"]
-        model = PPO("MlpPolicy", vec_env, n_steps=s["num_steps"], batch_size=s["minibatch_size"],
-                    n_epochs=s["update_epochs"], gamma=s["gamma"], gae_lambda=s["gae_lambda"],
-                    learning_rate=(lambda remaining: lr * remaining) if s["anneal_lr"] else lr,
-                    clip_range=s["clip_range"], ent_coef=s["ent_coef"], vf_coef=s["vf_coef"],
-                    max_grad_norm=s["max_grad_norm"], policy_kwargs=policy_kwargs, seed=seed, device="cpu")
+        model = PPO(
+            "MlpPolicy",
+            vec_env,
+            n_steps=s["num_steps"],
+            batch_size=s["minibatch_size"],
+            n_epochs=s["update_epochs"],
+            gamma=s["gamma"],
+            gae_lambda=s["gae_lambda"],
+            learning_rate=(lambda remaining: lr * remaining) if s["anneal_lr"] else lr,
+            clip_range=s["clip_range"],
+            ent_coef=s["ent_coef"],
+            vf_coef=s["vf_coef"],
+            max_grad_norm=s["max_grad_norm"],
+            policy_kwargs=policy_kwargs,
+            seed=seed,
+            device="cpu",
+        )
     else:
         from sb3_contrib import TRPO
 
-        model = TRPO("MlpPolicy", vec_env, n_steps=s["num_steps"], batch_size=s["minibatch_size"],
-                     n_critic_updates=s["update_epochs"], gamma=s["gamma"], gae_lambda=s["gae_lambda"],
-                     learning_rate=s["vf_lr"], target_kl=s["max_kl"], cg_max_steps=s["cg_iters"],
-                     cg_damping=s["cg_damping"], line_search_shrinking_factor=s["backtrack_coef"],
-                     line_search_max_iter=s["backtrack_iters"], policy_kwargs=policy_kwargs, seed=seed, device="cpu")
+        model = TRPO(
+            "MlpPolicy",
+            vec_env,
+            n_steps=s["num_steps"],
+            batch_size=s["minibatch_size"],
+            n_critic_updates=s["update_epochs"],
+            gamma=s["gamma"],
+            gae_lambda=s["gae_lambda"],
+            learning_rate=s["vf_lr"],
+            target_kl=s["max_kl"],
+            cg_max_steps=s["cg_iters"],
+            cg_damping=s["cg_damping"],
+            line_search_shrinking_factor=s["backtrack_coef"],
+            line_search_max_iter=s["backtrack_iters"],
+            policy_kwargs=policy_kwargs,
+            seed=seed,
+            device="cpu",
+        )
     cpu, start = time.process_time(), time.perf_counter()
     model.learn(total_timesteps=steps)
     train_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     returns = evaluate_policy(SB3Adapter(model), env, eval_episodes, seed=seed + 1_000_000)
     vec_env.close()
-    return {"eval_mean": float(np.mean(returns)), "eval_std": float(np.std(returns)),
-            "env_steps": model.num_timesteps, "train_s": train_s, "cpu_s": cpu_s}
+    return {
+        "eval_mean": float(np.mean(returns)),
+        "eval_std": float(np.std(returns)),
+        "env_steps": model.num_timesteps,
+        "train_s": train_s,
+        "cpu_s": cpu_s,
+    }
 
 
 def main() -> None:
@@ -109,16 +175,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     print(f"# classic RL benchmark: {args.env}, {args.steps} steps, seeds {args.seeds}, algos {args.algos}")
-    print(f"# torch {torch.__version__}, {args.threads} thread(s), python {platform.python_version()}, "
-          f"{platform.processor() or platform.machine()}; network: actor 64-64 tanh + critic 64-64 tanh")
+    print(
+        f"# torch {torch.__version__}, {args.threads} thread(s), python {platform.python_version()}, "
+        f"{platform.processor() or platform.machine()}; network: actor 64-64 tanh + critic 64-64 tanh"
+    )
     for algo in args.algos:
         print(f"# {algo} settings (both libraries): {SETTINGS[algo]}")
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as out_root:
         for seed in args.seeds:
             for algo in args.algos:
-                row = {"algo": algo, "seed": seed,
-                       "spinwheel": run_spinwheel(algo, args.env, args.steps, seed, args.eval_episodes, out_root)}
+                row = {
+                    "algo": algo,
+                    "seed": seed,
+                    "spinwheel": run_spinwheel(algo, args.env, args.steps, seed, args.eval_episodes, out_root),
+                }
                 if not args.no_sb3:
                     row["sb3"] = run_sb3(algo, args.env, args.steps, seed, args.eval_episodes)
                 runs.append(row)
@@ -140,19 +211,25 @@ def _cpu_sps(r: dict) -> float:
 
 def format_row(row: dict) -> str:
     sw = row["spinwheel"]
-    text = (f"{row['algo']:5s} seed {row['seed']}: spinwheel return {sw['eval_mean']:6.1f} ± {sw['eval_std']:5.1f}, "
-            f"{_sps(sw):6.0f} steps/s")
+    text = (
+        f"{row['algo']:5s} seed {row['seed']}: spinwheel return {sw['eval_mean']:6.1f} ± {sw['eval_std']:5.1f}, "
+        f"{_sps(sw):6.0f} steps/s"
+    )
     if "sb3" in row:
         sb = row["sb3"]
-        text += (f" | SB3 return {sb['eval_mean']:6.1f} ± {sb['eval_std']:5.1f}, {_sps(sb):6.0f} steps/s"
-                 f" | speed ratio {_sps(sw) / _sps(sb):.2f}× (CPU-time {_cpu_sps(sw) / _cpu_sps(sb):.2f}×)")
+        text += (
+            f" | SB3 return {sb['eval_mean']:6.1f} ± {sb['eval_std']:5.1f}, {_sps(sb):6.0f} steps/s"
+            f" | speed ratio {_sps(sw) / _sps(sb):.2f}× (CPU-time {_cpu_sps(sw) / _cpu_sps(sb):.2f}×)"
+        )
     return text
 
 
 def summary(runs: list[dict], algos: list[str], target: float) -> str:
-    lines = ["| algo | library | final return per seed (deterministic eval) | seeds at target | "
-             "median env-steps/s | median ratio (wall / CPU) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| algo | library | final return per seed (deterministic eval) | seeds at target | "
+        "median env-steps/s | median ratio (wall / CPU) |",
+        "|---|---|---|---|---|---|",
+    ]
     for algo in algos:
         rows = [r for r in runs if r["algo"] == algo]
         for lib in ("spinwheel", "sb3"):
@@ -167,8 +244,10 @@ def summary(runs: list[dict], algos: list[str], target: float) -> str:
                 cpu = statistics.median(_cpu_sps(r["spinwheel"]) / _cpu_sps(r["sb3"]) for r in rows)
                 ratio = f"{wall:.2f}× / {cpu:.2f}×"
             name = "spinwheel" if lib == "spinwheel" else ("SB3 PPO" if algo == "ppo" else "sb3-contrib TRPO")
-            lines.append(f"| {algo} | {name} | {returns} | {solved}/{len(figures)} | "
-                         f"{statistics.median(_sps(f) for f in figures):.0f} | {ratio} |")
+            lines.append(
+                f"| {algo} | {name} | {returns} | {solved}/{len(figures)} | "
+                f"{statistics.median(_sps(f) for f in figures):.0f} | {ratio} |"
+            )
     return "\n".join(lines)
 
 

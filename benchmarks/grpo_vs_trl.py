@@ -127,12 +127,15 @@ def heldout_exact_match(ckpt: Path, args) -> float:
     """Greedy exact match of a checkpoint on the task's held-out split, on spinwheel's engine."""
     tokenizer = load_tokenizer(ckpt)
     model = load_model(ckpt, dtype="float32")
-    examples = prompts_from_task(tokenizer, ArithmeticTask().test[:args.eval_examples])
+    examples = prompts_from_task(tokenizer, ArithmeticTask().test[: args.eval_examples])
     ids = {p.text: list(p.ids) for p in examples}
     llm = LLM(model, tokenizer, max_model_len=max(len(p.ids) for p in examples) + args.max_new_tokens + 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    result = evaluate(lambda texts: [o.outputs[0].text for o in llm.generate([ids[t] for t in texts], greedy)],
-                      examples, batch_size=len(examples))
+    result = evaluate(
+        lambda texts: [o.outputs[0].text for o in llm.generate([ids[t] for t in texts], greedy)],
+        examples,
+        batch_size=len(examples),
+    )
     llm.close()
     return result.exact_match
 
@@ -164,13 +167,35 @@ class _SteppedBar:
 
 
 def run_spinwheel(args, ckpt: Path, work: Path, run: Run) -> None:
-    config = RLConfig(algo="grpo", model=str(ckpt), out_dir=str(work / "spinwheel"), steps=args.steps,
-                      prompts_per_step=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
-                      temperature=1.0, top_p=1.0, epochs=1, minibatches=1, lr=args.lr, grad_clip=1.0,
-                      beta=args.beta, kl_estimator="k3", eps_low=args.epsilon, eps_high=args.epsilon,
-                      loss_agg="token-mean", scale_rewards=True, eval_every=0, eval_examples=args.eval_examples,
-                      save_every=0, seed=args.seed, resume=False, num_threads=args.threads, progress=False,
-                      engine=EngineConfig(cpu_packed_weights=args.engine_cpu_packed_weights))
+    config = RLConfig(
+        algo="grpo",
+        model=str(ckpt),
+        out_dir=str(work / "spinwheel"),
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        epochs=1,
+        minibatches=1,
+        lr=args.lr,
+        grad_clip=1.0,
+        beta=args.beta,
+        kl_estimator="k3",
+        eps_low=args.epsilon,
+        eps_high=args.epsilon,
+        loss_agg="token-mean",
+        scale_rewards=True,
+        eval_every=0,
+        eval_examples=args.eval_examples,
+        save_every=0,
+        seed=args.seed,
+        resume=False,
+        num_threads=args.threads,
+        progress=False,
+        engine=EngineConfig(cpu_packed_weights=args.engine_cpu_packed_weights),
+    )
     rl_loop.tqdm = lambda steps, **k: _SteppedBar(run, steps, **k)
     result = train_rl(config)
     for record in result["history"]:
@@ -196,8 +221,8 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
     train = prompts_from_task(load_tokenizer(ckpt), ArithmeticTask().train)
     order = [i for step in range(args.steps) for i in batch_indices(step, args.prompts, len(train), args.seed)]
     rows = [train[i] for i in order]
-    probe = tokenizer(text=[p.text for p in rows[:args.prompts]])["input_ids"]
-    if [list(p.ids) for p in rows[:args.prompts]] != probe:
+    probe = tokenizer(text=[p.text for p in rows[: args.prompts]])["input_ids"]
+    if [list(p.ids) for p in rows[: args.prompts]] != probe:
         raise SystemExit("TRL's tokenizer does not give spinwheel's prompt ids (BOS?): the runs would differ")
     dataset = Dataset.from_dict({"prompt": [p.text for p in rows], "answer": [p.answer for p in rows]})
 
@@ -207,16 +232,43 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
         return values
 
     config = GRPOConfig(
-        output_dir=str(work / "trl"), max_steps=args.steps, per_device_train_batch_size=args.prompts * args.group_size,
-        gradient_accumulation_steps=1, num_generations=args.group_size, max_completion_length=args.max_new_tokens,
-        num_iterations=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        adam_beta1=ADAMW_BETAS[0], adam_beta2=ADAMW_BETAS[1], adam_epsilon=ADAMW_EPS, weight_decay=0.0,
-        max_grad_norm=1.0, beta=args.beta, epsilon=args.epsilon, temperature=1.0, top_p=1.0, top_k=0,
-        loss_type="dapo", scale_rewards="group", shuffle_dataset=False, seed=args.seed, use_cpu=True,
-        bf16=False, fp16=False, gradient_checkpointing=False,  # TRL's defaults: bf16 autocast, recomputation
-        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
-                          processing_class=tokenizer)
+        output_dir=str(work / "trl"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.prompts * args.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        num_iterations=1,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=ADAMW_BETAS[0],
+        adam_beta2=ADAMW_BETAS[1],
+        adam_epsilon=ADAMW_EPS,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=args.beta,
+        epsilon=args.epsilon,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        loss_type="dapo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        seed=args.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,  # TRL's defaults: bf16 autocast, recomputation
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=exact_match, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
     trainer.remove_callback(PrinterCallback)
     acc: dict[str, float] = defaultdict(float)
 
@@ -231,6 +283,7 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
                 return fn(*a, **k)
             finally:
                 acc[phase] += time.perf_counter() - t0
+
         setattr(trainer, name, wrapper)
 
     timed("_generate", "generate")
@@ -246,9 +299,14 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
         def on_step_end(self, *a, **k):
             wall = time.perf_counter() - run.started[0]
             inner = acc["generate"] + acc["score"] + acc["logprobs"]
-            split = {"generate": acc["generate"], "score": acc["score"], "logprobs": acc["logprobs"],
-                     "prepare": acc["inputs"] - inner, "fwd+bwd": acc["training_step"] - acc["inputs"],
-                     "optim+rest": wall - acc["training_step"]}
+            split = {
+                "generate": acc["generate"],
+                "score": acc["score"],
+                "logprobs": acc["logprobs"],
+                "prepare": acc["inputs"] - inner,
+                "fwd+bwd": acc["training_step"] - acc["inputs"],
+                "optim+rest": wall - acc["training_step"],
+            }
             for key, value in split.items():
                 run.phases[key].append(value)
             acc.clear()
@@ -279,8 +337,10 @@ def run_both(args, ckpt: Path, work: Path) -> dict[str, Run]:
         finally:
             baton.finish(name)
 
-    threads = [threading.Thread(target=target, args=(name, fn), name=name)
-               for name, fn in (("trl", run_trl), ("spinwheel", run_spinwheel))]
+    threads = [
+        threading.Thread(target=target, args=(name, fn), name=name)
+        for name, fn in (("trl", run_trl), ("spinwheel", run_spinwheel))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -320,8 +380,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--last", type=int, default=50, help="steps the final mean reward is taken over")
     parser.add_argument("--eval-examples", type=int, default=500)
-    parser.add_argument("--engine-cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
-                        help="spinwheel's engine option of that name (repacked after every update)")
+    parser.add_argument(
+        "--engine-cpu-packed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="spinwheel's engine option of that name (repacked after every update)",
+    )
     parser.add_argument("--work-dir", default=None, help="where runs write (default: a temporary directory)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -329,26 +393,35 @@ def main() -> None:
         work = Path(args.work_dir or tmp)
         ckpt = prepare_checkpoint(args, work)
         model = load_model(ckpt)
-        print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-              f"{model.config.num_hidden_layers} layers × {model.config.hidden_size}, fp32; threads "
-              f"{torch.get_num_threads()}; torch {torch.__version__}")
-        print(f"workload: {args.steps} steps × {args.prompts} prompts × G {args.group_size}, completions ≤ "
-              f"{args.max_new_tokens} tokens, lr {args.lr}, β {args.beta}, ε {args.epsilon}, seed {args.seed}")
+        print(
+            f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+            f"{model.config.num_hidden_layers} layers × {model.config.hidden_size}, fp32; threads "
+            f"{torch.get_num_threads()}; torch {torch.__version__}"
+        )
+        print(
+            f"workload: {args.steps} steps × {args.prompts} prompts × G {args.group_size}, completions ≤ "
+            f"{args.max_new_tokens} tokens, lr {args.lr}, β {args.beta}, ε {args.epsilon}, seed {args.seed}"
+        )
         t0 = time.perf_counter()
         runs = run_both(args, ckpt, work)
         print(f"  both runs in turns: {time.perf_counter() - t0:.1f} s", flush=True)
     med = {name: (statistics.median(r.step_times), statistics.median(r.cpu_times)) for name, r in runs.items()}
-    last = {name: statistics.fmean(r.rewards[-args.last:]) for name, r in runs.items()}
+    last = {name: statistics.fmean(r.rewards[-args.last :]) for name, r in runs.items()}
     for name, run in runs.items():
-        print(f"  {name:>9}: {1e3 * med[name][0]:.1f} ms/step median ({1e3 * statistics.fmean(run.step_times):.1f} "
-              f"mean; CPU {1e3 * med[name][1]:.1f} ms/step); sampled reward first {args.last} steps "
-              f"{statistics.fmean(run.rewards[:args.last]):.3f} → last {args.last} {last[name]:.3f}; held-out "
-              f"greedy exact match after {run.eval_after:.3f}")
+        print(
+            f"  {name:>9}: {1e3 * med[name][0]:.1f} ms/step median ({1e3 * statistics.fmean(run.step_times):.1f} "
+            f"mean; CPU {1e3 * med[name][1]:.1f} ms/step); sampled reward first {args.last} steps "
+            f"{statistics.fmean(run.rewards[: args.last]):.3f} → last {args.last} {last[name]:.3f}; held-out "
+            f"greedy exact match after {run.eval_after:.3f}"
+        )
     for run in runs.values():
         print_phases(run)
-    print(f"spinwheel / TRL step time: {med['spinwheel'][0] / med['trl'][0]:.3f} (target ≤ 0.5; CPU time "
-          f"{med['spinwheel'][1] / med['trl'][1]:.3f}); last-{args.last} reward spinwheel {last['spinwheel']:.3f} "
-          f"vs TRL {last['trl']:.3f}")
+    print(
+        f"spinwheel / TRL step time: {med['spinwheel'][0] / med['trl'][0]:.3f} (target ≤ 0.5; CPU time "
+        f"{med['spinwheel'][1] / med['trl'][1]:.3f}); last-{args.last} reward spinwheel {last['spinwheel']:.3f} "
+        f"vs TRL {last['trl']:.3f}"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -31,9 +31,16 @@ SYSTEMS = ("spinwheel-ddp", "torch-ddp", "spinwheel-fsdp", "torch-fsdp2")
 
 
 def build(name: str, args, dims: ParallelDims):
-    config = preset_config("test", args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 16
-                           * 16, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
-                           num_key_value_heads=args.hidden // 64, max_position_embeddings=args.seq)
+    config = preset_config(
+        "test",
+        args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 16 * 16,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 32,
+        num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=args.seq,
+    )
     model = Transformer(config).init_weights(seed=0)
     if name == "spinwheel-ddp":
         module = DistributedDataParallel(model, dims.dp_axis, dims.comm, bucket_mb=25.0)
@@ -51,8 +58,11 @@ def build(name: str, args, dims: ParallelDims):
         fully_shard(model, mesh=mesh)
         module = model
     params = list(module.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4) if not hasattr(module, "make_optimizer") else module.make_optimizer(
-        lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    opt = (
+        torch.optim.AdamW(params, lr=1e-4)
+        if not hasattr(module, "make_optimizer")
+        else module.make_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    )
     return module, opt
 
 
@@ -105,10 +115,11 @@ def memory(rank: int, world_size: int, args, name: str) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     held = []
     for step in range(3):  # held bytes: after the optimizer step, before zero_grad (gradients still alive)
-        train_step(module, opt, *batch(args, rank, step), before_zero_grad=lambda: held.append(
-            held_bytes(name, module, opt)))
+        train_step(
+            module, opt, *batch(args, rank, step), before_zero_grad=lambda: held.append(held_bytes(name, module, opt))
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_rss_growth_mib": (peak - before) / 1024, "held_mib": held[-1] / 2 ** 20}
+    return {"peak_rss_growth_mib": (peak - before) / 1024, "held_mib": held[-1] / 2**20}
 
 
 def main() -> None:
@@ -123,24 +134,32 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = ap.parse_args()
-    probe = Transformer(preset_config("test", args.vocab, hidden_size=args.hidden,
-                                      intermediate_size=args.hidden * 8 // 3 // 16 * 16, num_hidden_layers=args.layers,
-                                      num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 64))
+    probe = Transformer(
+        preset_config(
+            "test",
+            args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 8 // 3 // 16 * 16,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 32,
+            num_key_value_heads=args.hidden // 64,
+        )
+    )
     num_params = sum(p.numel() for p in probe.parameters())
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {num_params / 1e6:.2f}M params "
-          f"(fp32); batch {args.batch}×{args.seq} tokens per rank; {args.ranks} gloo ranks × {args.threads} "
-          f"thread(s); torch {torch.__version__}; {args.warmup} warm-up + {args.steps} timed steps, interleaved")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {num_params / 1e6:.2f}M params "
+        f"(fp32); batch {args.batch}×{args.seq} tokens per rank; {args.ranks} gloo ranks × {args.threads} "
+        f"thread(s); torch {torch.__version__}; {args.warmup} warm-up + {args.steps} timed steps, interleaved"
+    )
     times = [spawn(speed, args.ranks, args=(args,), timeout_s=1800, threads=args.threads)]
     per = {name: max(r[name] for r in times[0]) for name in SYSTEMS}  # the slowest rank sets the step time
-    mem = {name: spawn(memory, args.ranks, args=(args, name), timeout_s=600, threads=args.threads)
-           for name in SYSTEMS}
+    mem = {name: spawn(memory, args.ranks, args=(args, name), timeout_s=600, threads=args.threads) for name in SYSTEMS}
     print(f"{'system':<16} {'step ms':>9} {'peak RSS growth MiB (rank 0/1)':>32} {'params+grads+optim MiB':>24}")
     for name in SYSTEMS:
         growth = "/".join(f"{m['peak_rss_growth_mib']:.1f}" for m in mem[name])
         print(f"{name:<16} {per[name] * 1e3:9.1f} {growth:>32} {mem[name][0]['held_mib']:24.2f}")
     print(f"ratio DDP  spinwheel / torch DDP       = {per['spinwheel-ddp'] / per['torch-ddp']:.3f}  (target ≤ 1.10)")
-    print(f"ratio FSDP spinwheel / torch FSDP2     = {per['spinwheel-fsdp'] / per['torch-fsdp2']:.3f}  "
-          f"(target ≤ 1.25)")
+    print(f"ratio FSDP spinwheel / torch FSDP2     = {per['spinwheel-fsdp'] / per['torch-fsdp2']:.3f}  (target ≤ 1.25)")
 
 
 if __name__ == "__main__":

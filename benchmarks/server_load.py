@@ -40,8 +40,13 @@ def _pct(xs: list[float], q: float) -> float:
 def _workload(args: argparse.Namespace) -> list[tuple[str, int]]:
     rng = random.Random(args.seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789+-*= "
-    return [("".join(rng.choice(alphabet) for _ in range(rng.randint(args.min_prompt, args.max_prompt))),
-             rng.randint(args.min_tokens, args.max_tokens)) for _ in range(args.requests)]
+    return [
+        (
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(args.min_prompt, args.max_prompt))),
+            rng.randint(args.min_tokens, args.max_tokens),
+        )
+        for _ in range(args.requests)
+    ]
 
 
 async def _client(url: str, model: str, queue: asyncio.Queue, results: list, http: httpx.AsyncClient) -> None:
@@ -50,8 +55,14 @@ async def _client(url: str, model: str, queue: asyncio.Queue, results: list, htt
             prompt, max_tokens = queue.get_nowait()
         except asyncio.QueueEmpty:
             return
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         t0 = time.perf_counter()
         stamps: list[float] = []
         async with http.stream("POST", url + "/v1/completions", json=body) as r:
@@ -78,9 +89,16 @@ async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: 
     ttft = [s[0] - t for t, s, _ in results if s]
     itl = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
     tokens = sum(n for _, _, n in results)
-    return {"wall_s": wall, "requests_per_s": len(results) / wall, "output_tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1e3 * _pct(ttft, 0.5), "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
-            "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p99_ms": 1e3 * _pct(itl, 0.99), "tokens": tokens}
+    return {
+        "wall_s": wall,
+        "requests_per_s": len(results) / wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * _pct(ttft, 0.5),
+        "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
+        "itl_p50_ms": 1e3 * _pct(itl, 0.5),
+        "itl_p99_ms": 1e3 * _pct(itl, 0.99),
+        "tokens": tokens,
+    }
 
 
 def _offline(args: argparse.Namespace, work: list[tuple[str, int]]) -> float:
@@ -112,8 +130,20 @@ def main() -> None:
     work = _workload(args)
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [sys.executable, "-m", "spinwheel.cli", "serve", "--model", args.model, "--port", str(port),
-           "--served-model-name", "bench", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spinwheel.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -133,12 +163,16 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     offline_tps = _offline(args, work)
-    print(f"workload: model={args.model} clients={args.clients} requests={args.requests} prompt chars "
-          f"{args.min_prompt}-{args.max_prompt} output tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, "
-          f"greedy) threads={args.threads}")
-    print(f"server : {stats['requests_per_s']:.2f} req/s, {stats['output_tokens_per_s']:.0f} output tok/s, "
-          f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, "
-          f"ITL p50 {stats['itl_p50_ms']:.1f} ms p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s)")
+    print(
+        f"workload: model={args.model} clients={args.clients} requests={args.requests} prompt chars "
+        f"{args.min_prompt}-{args.max_prompt} output tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, "
+        f"greedy) threads={args.threads}"
+    )
+    print(
+        f"server : {stats['requests_per_s']:.2f} req/s, {stats['output_tokens_per_s']:.0f} output tok/s, "
+        f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, "
+        f"ITL p50 {stats['itl_p50_ms']:.1f} ms p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s)"
+    )
     print(f"offline LLM.generate, same workload: {offline_tps:.0f} output tok/s")
     print(f"ratio server / offline throughput: {stats['output_tokens_per_s'] / offline_tps:.2f}x")
     preempt = [line for line in metrics.splitlines() if line.startswith("spinwheel_num_preemptions_total")]

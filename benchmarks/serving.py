@@ -29,9 +29,18 @@ def build_model(args: argparse.Namespace, path: str):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=1024, bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(args.seed)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.generation_config.eos_token_id = None
@@ -42,8 +51,12 @@ def build_model(args: argparse.Namespace, path: str):
 def gemm_gflops(hidden: int, intermediate: int, batch: int) -> float:
     """Best fp32 GEMM rate of this machine (GFLOP/s) over a large square GEMM and the model's own decode shapes."""
     best = 0.0
-    for m, k, n in ((1024, 1024, 1024), (batch, hidden, intermediate), (batch, intermediate, hidden),
-                    (batch * 4, hidden, intermediate)):
+    for m, k, n in (
+        (1024, 1024, 1024),
+        (batch, hidden, intermediate),
+        (batch, intermediate, hidden),
+        (batch * 4, hidden, intermediate),
+    ):
         a, b = torch.randn(m, k), torch.randn(k, n)
         for _ in range(3):
             a @ b
@@ -85,8 +98,14 @@ def run_spinwheel(llm: LLM, prompts, out_lens, num_params: int):
             waste.append(1 - filled / allocated)
         del sched
     total = time.perf_counter() - t0
-    return dict(time=busy, wall=total, cpu=time.process_time() - c0, tokens=generated, decode_rates=decode_rates,
-                waste=statistics.mean(waste) if waste else 0.0)
+    return dict(
+        time=busy,
+        wall=total,
+        cpu=time.process_time() - c0,
+        tokens=generated,
+        decode_rates=decode_rates,
+        waste=statistics.mean(waste) if waste else 0.0,
+    )
 
 
 def run_hf_static(hf, prompts, out_lens, batch_size: int):
@@ -95,12 +114,19 @@ def run_hf_static(hf, prompts, out_lens, batch_size: int):
     useful = 0
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
-            ps, ns = prompts[i:i + batch_size], out_lens[i:i + batch_size]
+            ps, ns = prompts[i : i + batch_size], out_lens[i : i + batch_size]
             width = max(len(p) for p in ps)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
-                              do_sample=False, pad_token_id=0, eos_token_id=None)
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(ns),
+                min_new_tokens=max(ns),
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
             assert out.shape[1] == width + max(ns)
             useful += sum(ns)
     return dict(time=time.perf_counter() - t0, cpu=time.process_time() - c0, tokens=useful)
@@ -110,13 +136,13 @@ def run_hf_continuous(hf, prompts, out_lens):
     """transformers' continuous batching (the engine behind ``generate_batch``), with per-request max_new_tokens."""
     import transformers
 
-    gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(out_lens), eos_token_id=None,
-                                       pad_token_id=0)
+    gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(out_lens), eos_token_id=None, pad_token_id=0)
     t0, c0 = time.perf_counter(), time.process_time()
     manager = hf.init_continuous_batching(generation_config=gc)
     manager.start()
-    ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-           for i, (p, n) in enumerate(zip(prompts, out_lens))]
+    ids = [
+        manager.add_request(p, request_id=f"r{i}", max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, out_lens))
+    ]
     done, tokens = set(), 0
     while len(done) < len(ids):
         res = manager.get_result(timeout=1)
@@ -168,14 +194,24 @@ def main() -> None:
         hf, model = build_model(args, tmp)
     num_params = sum(p.numel() for p in model.parameters())
     prompts, out_lens = workload(args.requests, lo, hi, olo, ohi, args.vocab, args.seed)
-    print(f"model: random Llama, hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV "
-          f"heads, intermediate {args.intermediate}, vocab {args.vocab}: {num_params / 1e6:.1f}M params, fp32")
-    print(f"workload: {args.requests} requests, prompt lengths U[{lo},{hi}], output lengths U[{olo},{ohi}] "
-          f"(ignore EOS), {sum(out_lens)} output tokens; torch threads {torch.get_num_threads()}, denormals flushed")
+    print(
+        f"model: random Llama, hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV "
+        f"heads, intermediate {args.intermediate}, vocab {args.vocab}: {num_params / 1e6:.1f}M params, fp32"
+    )
+    print(
+        f"workload: {args.requests} requests, prompt lengths U[{lo},{hi}], output lengths U[{olo},{ohi}] "
+        f"(ignore EOS), {sum(out_lens)} output tokens; torch threads {torch.get_num_threads()}, denormals flushed"
+    )
 
     roof_before = gemm_gflops(args.hidden, args.intermediate, 64)
-    llm = LLM(model, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              kv_cache_memory_mb=512)
+    llm = LLM(
+        model,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        kv_cache_memory_mb=512,
+    )
     llm.generate([[5] * 32] * 4, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
     if not args.skip_hf:
         with torch.inference_mode():
@@ -201,23 +237,29 @@ def main() -> None:
     for name, rs in [("spinwheel", runs["spinwheel"])] + [(n, runs[n]) for n in results]:
         b = min(rs, key=lambda r: r["time"])
         rounds = ", ".join(f"{r['time']:.1f}" for r in rs)
-        print(f"{name:48s}: best {b['time']:7.1f} s  {b['tokens'] / b['time']:8.1f} output tok/s  "
-              f"(CPU {b['cpu']:.1f} s; rounds {rounds} s)")
+        print(
+            f"{name:48s}: best {b['time']:7.1f} s  {b['tokens'] / b['time']:8.1f} output tok/s  "
+            f"(CPU {b['cpu']:.1f} s; rounds {rounds} s)"
+        )
     print(f"spinwheel preemptions: {llm.stats().num_preemptions}")
     roof_after = gemm_gflops(args.hidden, args.intermediate, 64)
     roof = max(roof_before, roof_after)
 
     print("\n== throughput ratios (spinwheel / reference, output tokens/s; acceptance >= 5x) ==")
     for name, r in results.items():
-        print(f"  vs {name}: {sw_tps / (r['tokens'] / r['time']):.2f}x wall-clock, "
-              f"{r['cpu'] / sw['cpu']:.2f}x by process CPU time")
+        print(
+            f"  vs {name}: {sw_tps / (r['tokens'] / r['time']):.2f}x wall-clock, "
+            f"{r['cpu'] / sw['cpu']:.2f}x by process CPU time"
+        )
     if sw["decode_rates"]:
         rate = statistics.median(sw["decode_rates"])
         gflops = 2 * num_params * rate / 1e9
         print(f"\n== decode at batch >= 32 ({len(sw['decode_rates'])} pure-decode steps) ==")
-        print(f"  median {rate:.0f} tok/s = {gflops:.1f} GFLOP/s (2*params per token); fp32 GEMM roofline "
-              f"{roof:.1f} GFLOP/s (before {roof_before:.1f}, after {roof_after:.1f}) -> {gflops / roof:.0%} "
-              f"(acceptance >= 40%)")
+        print(
+            f"  median {rate:.0f} tok/s = {gflops:.1f} GFLOP/s (2*params per token); fp32 GEMM roofline "
+            f"{roof:.1f} GFLOP/s (before {roof_before:.1f}, after {roof_after:.1f}) -> {gflops / roof:.0%} "
+            f"(acceptance >= 40%)"
+        )
     print(f"\n== KV waste (block size 16, averaged over {args.requests}-request run steps) ==")
     print(f"  {sw['waste']:.2%} of allocated slots hold no token (acceptance <= 4%)")
 
@@ -226,10 +268,14 @@ def main() -> None:
     llm.close()
     del llm
     llm_s = LLM(model, block_size=16, enable_prefix_caching=False, kv_cache_memory_mb=256)
-    n4 = sharing_savings(llm_s, share_prompts, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=64,
-                                                               ignore_eos=True))
-    beam = sharing_savings(llm_s, share_prompts[:4], SamplingParams(n=4, use_beam_search=True, temperature=0.0,
-                                                                     max_tokens=32, ignore_eos=True))
+    n4 = sharing_savings(
+        llm_s, share_prompts, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=64, ignore_eos=True)
+    )
+    beam = sharing_savings(
+        llm_s,
+        share_prompts[:4],
+        SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=32, ignore_eos=True),
+    )
     print("\n== block sharing savings (1 - physical / per-sequence blocks, averaged over steps) ==")
     print(f"  parallel sampling n=4 (8 requests, 64 tokens): {n4:.1%}")
     print(f"  beam search width 4 (4 requests, 32 tokens):   {beam:.1%}")
@@ -237,8 +283,7 @@ def main() -> None:
     # prefix caching
     rng = random.Random(args.seed + 1)
     prefix = [rng.randrange(3, args.vocab) for _ in range(prefix_len)]
-    shared = [prefix + [rng.randrange(3, args.vocab) for _ in range(rng.randint(16, 64))]
-              for _ in range(args.requests)]
+    shared = [prefix + [rng.randrange(3, args.vocab) for _ in range(rng.randint(16, 64))] for _ in range(args.requests)]
     shared_out = [rng.randint(16, 32) for _ in shared]
     times: dict[bool, list[float]] = {False: [], True: []}
     hit = 0.0
@@ -254,10 +299,14 @@ def main() -> None:
         llm_p.close()
         del llm_p
     off, on = min(times[False]), min(times[True])
-    print(f"\n== prefix caching ({args.requests} requests sharing a {prefix_len}-token prefix + 16-64 own tokens, "
-          f"outputs U[16,32]) ==")
-    print(f"  off {off:.1f} s, on {on:.1f} s (best of 2 each; prompt-token hit rate {hit:.0%}) -> "
-          f"{off / on:.2f}x (acceptance >= 1.5x)")
+    print(
+        f"\n== prefix caching ({args.requests} requests sharing a {prefix_len}-token prefix + 16-64 own tokens, "
+        f"outputs U[16,32]) =="
+    )
+    print(
+        f"  off {off:.1f} s, on {on:.1f} s (best of 2 each; prompt-token hit rate {hit:.0%}) -> "
+        f"{off / on:.2f}x (acceptance >= 1.5x)"
+    )
 
 
 if __name__ == "__main__":

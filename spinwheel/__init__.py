@@ -2,9 +2,26 @@
 serving engine, on PyTorch."""
 
 from spinwheel.engine import LLM, EngineConfig, SamplingParams
-from spinwheel.models import (ModelConfig, Tokenizer, Transformer, load_model, load_tokenizer, save_pretrained,
-                              token_logprobs)
+from spinwheel.models import (
+    ModelConfig,
+    Tokenizer,
+    Transformer,
+    load_model,
+    load_tokenizer,
+    save_pretrained,
+    token_logprobs,
+)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "ModelConfig", "Tokenizer", "Transformer", "load_model",
-           "load_tokenizer", "save_pretrained", "token_logprobs"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "SamplingParams",
+    "ModelConfig",
+    "Tokenizer",
+    "Transformer",
+    "load_model",
+    "load_tokenizer",
+    "save_pretrained",
+    "token_logprobs",
+]

@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.sft_config import SFTConfig
 
-DESCRIPTION = ("spinwheel: LLM post-training on PyTorch. SFT, then policy-gradient RL (GRPO, RLOO, REINFORCE++, PPO, "
-               "TRPO) on rollouts from its own paged-attention engine, on one process or under torchrun; generation "
-               "and an OpenAI-compatible server; VPG/TRPO/PPO on gymnasium. 'spinwheel COMMAND --help' lists a "
-               "command's options.")
+DESCRIPTION = (
+    "spinwheel: LLM post-training on PyTorch. SFT, then policy-gradient RL (GRPO, RLOO, REINFORCE++, PPO, "
+    "TRPO) on rollouts from its own paged-attention engine, on one process or under torchrun; generation "
+    "and an OpenAI-compatible server; VPG/TRPO/PPO on gymnasium. 'spinwheel COMMAND --help' lists a "
+    "command's options."
+)
 
 
 @dataclass
@@ -41,8 +43,10 @@ class PlacementConfig:
 class GenerateConfig:
     """Complete prompts with a checkpoint, a Hub model or a preset, on the paged-attention engine."""
 
-    model: str = option("runs/demo/grpo/checkpoint", help="HF checkpoint directory, Hugging Face Hub id "
-                                                          "(owner/name, through the local HF cache) or preset")
+    model: str = option(
+        "runs/demo/grpo/checkpoint",
+        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache) or preset",
+    )
     prompt: list[str] = option(None, help="prompt(s) to complete", default_factory=lambda: ["12+34="])
     chat: bool = option(False, help="send each prompt as a user message through the tokenizer's chat template")
     max_tokens: int = option(32, help="max new tokens per completion")
@@ -50,14 +54,19 @@ class GenerateConfig:
     top_p: float = option(1.0, help="nucleus sampling: keep the smallest set of tokens with this much probability")
     top_k: int = option(0, help="sample among the k most likely tokens (0: all)")
     n: int = option(1, help="completions per prompt")
-    stop: list[str] = option(None, help="strings that end a completion (not included in it)",
-                             default_factory=list)
+    stop: list[str] = option(None, help="strings that end a completion (not included in it)", default_factory=list)
 
     def sampling_params(self) -> SamplingParams:
         from spinwheel.engine import SamplingParams
 
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              stop=list(self.stop) or None, max_tokens=self.max_tokens)
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=list(self.stop) or None,
+            max_tokens=self.max_tokens,
+        )
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -72,6 +81,7 @@ class GenerateConfig:
 def format_completions(prompt: str, texts: list[str]) -> str:
     """``prompt:`` then one ``output:`` line per completion (``output i:`` when there are several); lines of
     multi-line texts continue under the first."""
+
     def block(label: str, text: str) -> str:
         return f"{label} " + text.replace("\n", "\n" + " " * (len(label) + 1))
 
@@ -115,8 +125,10 @@ def check_device(device: str | None) -> None:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = "this PyTorch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise ValueError(f"--device {device}: {why} (torch {torch.__version__}); use --device cpu, or put a CUDA "
-                             "build of torch into the venv (README: set-up)")
+            raise ValueError(
+                f"--device {device}: {why} (torch {torch.__version__}); use --device cpu, or put a CUDA "
+                "build of torch into the venv (README: set-up)"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
@@ -127,8 +139,12 @@ def _sft_parser(sub: argparse._SubParsersAction) -> None:
     from spinwheel.parallel import ParallelConfig
 
     what = "supervised fine-tuning (built-in arithmetic task or --data JSONL)"
-    p = sub.add_parser("sft", help=what, description=f"{SFTConfig.__doc__} One process, or every rank under "
-                       "torchrun with --dp/--tp/--pp/--zero/--fsdp; rerunning resumes from <out-dir>/checkpoint.")
+    p = sub.add_parser(
+        "sft",
+        help=what,
+        description=f"{SFTConfig.__doc__} One process, or every rank under "
+        "torchrun with --dp/--tp/--pp/--zero/--fsdp; rerunning resumes from <out-dir>/checkpoint.",
+    )
     add_arguments(p, SFTConfig)
     add_arguments(p, ArithmeticConfig, prefix="task-")
     add_arguments(p, ParallelConfig)
@@ -143,92 +159,17 @@ def _sft_from_args(ns: argparse.Namespace) -> SFTConfig:
     return config
 
 
-_RL_COMMANDS = {
-    "grpo": "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts",
-    "rloo": "RLOO (leave-one-out baseline) on engine rollouts",
-    "reinforce-pp": "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts",
-    "ppo": "PPO for LLMs (critic, token-level GAE, KL penalty to the reference) on engine rollouts",
-    "trpo": "TRPO for LLM policies (conjugate gradient on Fisher-vector products, KL trust region) on engine rollouts",
-}
-
-
-def _rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
-    from spinwheel.engine import EngineConfig
-    from spinwheel.parallel import ParallelConfig
-    from spinwheel.rl.llm.config import RLConfig
-
-    p = sub.add_parser(algo, help=what, description=f"{what}; torchrun for data/tensor/pipeline parallel updates; "
-                                                    "rerunning resumes from <out-dir>/checkpoint.")
-    add_arguments(p, RLConfig, skip={"algo"})
-    add_arguments(p, ArithmeticConfig, prefix="task-")
-    add_arguments(p, ParallelConfig)
-    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
-    p.set_defaults(out_dir=f"runs/{algo}")
-
-
-def _run_rl(ns: argparse.Namespace) -> None:
-    from spinwheel.engine import EngineConfig
-    from spinwheel.parallel import ParallelConfig
-    from spinwheel.rl.llm import RLConfig, train_rl
-
-    config = from_args(RLConfig, ns)
-    config.algo = ns.command
-    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
-    config.parallel = from_args(ParallelConfig, ns)
-    config.engine = from_args(EngineConfig, ns, prefix="engine-")
-    result = train_rl(config)
-    if result.get("eval_after") is not None and os.environ.get("RANK", "0") == "0":
-        before = result.get("eval_before")
-        print(f"held-out exact match: {'' if before is None else f'{before:.1%} -> '}{result['eval_after']:.1%}; "
-              f"wrote {result['checkpoint']}")
-
-
-_PREF_COMMANDS = {
-    "dpo": "DPO (sigmoid, conservative label smoothing, IPO) on preference pairs: JSONL, or self-generated from "
-           "the policy's samples by the task reward",
-    "rm": "reward model (Bradley-Terry on preference pairs), saved as an HF *ForSequenceClassification checkpoint",
-}
-
-
-def _pref_parser(sub: argparse._SubParsersAction, command: str, what: str) -> None:
-    from spinwheel.engine import EngineConfig
-    from spinwheel.parallel import ParallelConfig
-    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
-
-    cls = DPOConfig if command == "dpo" else RMConfig
-    p = sub.add_parser(command, help=what, description=f"{what}; torchrun for data/tensor parallel updates.")
-    add_arguments(p, cls)
-    add_arguments(p, ArithmeticConfig, prefix="task-")
-    add_arguments(p, ParallelConfig)
-    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
-    p.set_defaults(out_dir=f"runs/{command}")
-
-
-def _run_pref(ns: argparse.Namespace) -> None:
-    from spinwheel.engine import EngineConfig
-    from spinwheel.parallel import ParallelConfig
-    from spinwheel.rl.llm.dpo import train_dpo
-    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
-    from spinwheel.rl.llm.reward_model import train_rm
-
-    config = from_args(DPOConfig if ns.command == "dpo" else RMConfig, ns)
-    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
-    config.parallel = from_args(ParallelConfig, ns)
-    config.engine = from_args(EngineConfig, ns, prefix="engine-")
-    result = (train_dpo if ns.command == "dpo" else train_rm)(config)
-    if os.environ.get("RANK", "0") == "0":
-        after = result.get("eval_after") or {}
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in after.items() if isinstance(v, (int, float)))
-        print(f"held-out: {shown or 'not evaluated'}; wrote {result.get('checkpoint', config.out_dir)}")
-
-
 def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
     """``--engine-*`` plus the placement options (``--device``, ``--dtype``, ``--seed``)."""
     from spinwheel.engine import EngineConfig
 
     placement = from_args(PlacementConfig, ns)
-    return dataclasses.replace(from_args(EngineConfig, ns, prefix="engine-"), device=placement.device,
-                               dtype=placement.dtype, seed=placement.seed)
+    return dataclasses.replace(
+        from_args(EngineConfig, ns, prefix="engine-"),
+        device=placement.device,
+        dtype=placement.dtype,
+        seed=placement.seed,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,38 +177,54 @@ def build_parser() -> argparse.ArgumentParser:
     from spinwheel.demo import DemoConfig
     from spinwheel.engine import EngineConfig
     from spinwheel.rl.classic import command as classic_command
+    from spinwheel.rl.llm.command import PREF_COMMANDS, RL_COMMANDS, add_pref_parser, add_rl_parser
     from spinwheel.server.serve import ServeConfig
 
     parser = argparse.ArgumentParser(prog="spinwheel", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"spinwheel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("demo", help="the main job: SFT then GRPO of the built-in tiny model on 2-digit addition",
-                       description=DemoConfig.__doc__)
+    p = sub.add_parser(
+        "demo",
+        help="the main job: SFT then GRPO of the built-in tiny model on 2-digit addition",
+        description=DemoConfig.__doc__,
+    )
     add_arguments(p, DemoConfig)
     _sft_parser(sub)
-    for algo, what in _RL_COMMANDS.items():
-        _rl_parser(sub, algo, what)
-    for command, what in _PREF_COMMANDS.items():
-        _pref_parser(sub, command, what)
+    for algo, what in RL_COMMANDS.items():
+        add_rl_parser(sub, algo, what)
+    for command, what in PREF_COMMANDS.items():
+        add_pref_parser(sub, command, what)
     p = sub.add_parser("generate", help="complete prompts with a checkpoint", description=GenerateConfig.__doc__)
     add_arguments(p, GenerateConfig)
     add_arguments(p, PlacementConfig)
     add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"})
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
-                       description="OpenAI-compatible HTTP server on the paged-attention engine.")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+        description="OpenAI-compatible HTTP server on the paged-attention engine.",
+    )
     add_arguments(p, ServeConfig)
     add_arguments(p, PlacementConfig)
     add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"})
-    p = sub.add_parser("classic", help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
-                       description="VPG, TRPO, PPO-clip or PPO-penalty (--ppo-variant) on a gymnasium environment "
-                                   "(torchrun for data parallel); --eval PATH evaluates a saved policy.pt")
+    p = sub.add_parser(
+        "classic",
+        help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
+        description="VPG, TRPO, PPO-clip or PPO-penalty (--ppo-variant) on a gymnasium environment "
+        "(torchrun for data parallel); --eval PATH evaluates a saved policy.pt",
+    )
     classic_command.add_arguments(p)
-    sub.add_parser("launch", add_help=False, help="torchrun for spinwheel: 'spinwheel launch --nproc-per-node 2 sft "
-                   "--dp 2'; exit statuses and Ctrl-C pass through without torchrun's tracebacks")
+    sub.add_parser(
+        "launch",
+        add_help=False,
+        help="torchrun for spinwheel: 'spinwheel launch --nproc-per-node 2 sft "
+        "--dp 2'; exit statuses and Ctrl-C pass through without torchrun's tracebacks",
+    )
     return parser
 
 
 def _dispatch(ns: argparse.Namespace) -> int:
+    from spinwheel.rl.llm.command import PREF_COMMANDS, RL_COMMANDS, run_pref, run_rl
+
     """Run the parsed command; returns its exit status."""
     check_device(getattr(ns, "device", None))
     if ns.command == "demo":
@@ -278,10 +235,10 @@ def _dispatch(ns: argparse.Namespace) -> int:
         from spinwheel.train.sft import train_sft
 
         train_sft(_sft_from_args(ns), announce=True)
-    elif ns.command in _PREF_COMMANDS:
-        _run_pref(ns)
-    elif ns.command in _RL_COMMANDS:
-        _run_rl(ns)
+    elif ns.command in PREF_COMMANDS:
+        run_pref(ns)
+    elif ns.command in RL_COMMANDS:
+        run_rl(ns)
     elif ns.command == "generate":
         run_generate(from_args(GenerateConfig, ns), _engine_from_args(ns))
     elif ns.command == "classic":

@@ -53,8 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", 
             continue
         tp, optional = _base_type(hints[f.name])
         name = "--" + prefix + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )  # type: ignore[misc]
         help_text = f.metadata.get("help", "")
         # A help text that explains its own default, or a None default (unset), shows no "(default: ...)".
         shown = help_text if default is None or "default" in help_text else f"{help_text} (default: {default!r})"
@@ -69,8 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", 
             group.add_argument(name, dest=dest, type=type(choices[0]), choices=choices, default=default, help=shown)
         else:
             conv = tp if tp in (int, float, str) else str
-            group.add_argument(name, dest=dest, type=conv, default=default, help=shown,
-                               metavar=None if not optional else conv.__name__.upper())
+            group.add_argument(
+                name,
+                dest=dest,
+                type=conv,
+                default=default,
+                help=shown,
+                metavar=None if not optional else conv.__name__.upper(),
+            )
 
 
 def from_args(cls: type[T], ns: argparse.Namespace, prefix: str = "") -> T:

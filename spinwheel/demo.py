@@ -52,8 +52,10 @@ def prepare_out_dir(out: Path) -> None:
         raise ValueError(f"--out-dir {out} is a file; choose a directory")
     if out.is_dir() and any(out.iterdir()):
         if not (out / MARKER).is_file():
-            raise ValueError(f"--out-dir {out} is not empty and was not written by spinwheel demo; nothing was "
-                             "deleted. Choose another --out-dir or empty it yourself")
+            raise ValueError(
+                f"--out-dir {out} is not empty and was not written by spinwheel demo; nothing was "
+                "deleted. Choose another --out-dir or empty it yourself"
+            )
         for name in ("sft", "grpo", MARKER):
             path = out / name
             if path.is_dir():
@@ -73,22 +75,43 @@ def run_demo(config: DemoConfig) -> dict:
     out = Path(config.out_dir)
     prepare_out_dir(out)
     t0 = time.perf_counter()
-    common = dict(seed=config.seed, num_threads=config.num_threads, progress=config.progress,
-                  eval_examples=config.eval_examples, resume=False)
-    print(f"spinwheel demo: 1/2 SFT of the 'tiny' preset on 2-digit addition, {config.sft_steps} steps; "
-          f"writing {out}/")
-    sft = train_sft(SFTConfig(out_dir=str(out / "sft"), steps=config.sft_steps, eval_every=0,
-                              save_every=0, **common))
+    common = dict(
+        seed=config.seed,
+        num_threads=config.num_threads,
+        progress=config.progress,
+        eval_examples=config.eval_examples,
+        resume=False,
+    )
+    print(f"spinwheel demo: 1/2 SFT of the 'tiny' preset on 2-digit addition, {config.sft_steps} steps; writing {out}/")
+    sft = train_sft(SFTConfig(out_dir=str(out / "sft"), steps=config.sft_steps, eval_every=0, save_every=0, **common))
     sft_ckpt = out / "sft" / "checkpoint"
-    print(f"spinwheel demo: 2/2 GRPO from {sft_ckpt}, {config.grpo_steps} steps of {config.grpo_prompts} prompts × 8 "
-          "samples")
-    grpo = train_rl(RLConfig(algo="grpo", model=str(sft_ckpt), out_dir=str(out / "grpo"), steps=config.grpo_steps,
-                             prompts_per_step=config.grpo_prompts, group_size=8, lr=config.grpo_lr, eval_every=0,
-                             save_every=100, **common))
-    before, after_sft, after_grpo = (sft["eval_before"]["exact_match"], sft["eval_after"]["exact_match"],
-                                     grpo["eval_after"])
-    print(f"\nheld-out exact match ({config.eval_examples} problems never trained on): random init {before:.1%} -> "
-          f"after SFT {after_sft:.1%} -> after GRPO {after_grpo:.1%}")
+    print(
+        f"spinwheel demo: 2/2 GRPO from {sft_ckpt}, {config.grpo_steps} steps of {config.grpo_prompts} prompts × 8 "
+        "samples"
+    )
+    grpo = train_rl(
+        RLConfig(
+            algo="grpo",
+            model=str(sft_ckpt),
+            out_dir=str(out / "grpo"),
+            steps=config.grpo_steps,
+            prompts_per_step=config.grpo_prompts,
+            group_size=8,
+            lr=config.grpo_lr,
+            eval_every=0,
+            save_every=100,
+            **common,
+        )
+    )
+    before, after_sft, after_grpo = (
+        sft["eval_before"]["exact_match"],
+        sft["eval_after"]["exact_match"],
+        grpo["eval_after"],
+    )
+    print(
+        f"\nheld-out exact match ({config.eval_examples} problems never trained on): random init {before:.1%} -> "
+        f"after SFT {after_sft:.1%} -> after GRPO {after_grpo:.1%}"
+    )
     llm = LLM(str(out / "grpo" / "checkpoint"), device="cpu")
     prompts = ["12+34=", "70+59=", "99+99=", "5+68="]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
@@ -96,6 +119,8 @@ def run_demo(config: DemoConfig) -> dict:
     for p, o in zip(prompts, outs):
         text = o.outputs[0].text
         print(f"  {p}{text:<6} {'ok' if text.strip() == str(eval(p[:-1])) else 'WRONG'}")  # noqa: S307
-    print(f"wrote {out / 'sft'} and {out / 'grpo'} (checkpoint/ in HF format, metrics.jsonl, curves.png) in "
-          f"{time.perf_counter() - t0:.0f}s")
+    print(
+        f"wrote {out / 'sft'} and {out / 'grpo'} (checkpoint/ in HF format, metrics.jsonl, curves.png) in "
+        f"{time.perf_counter() - t0:.0f}s"
+    )
     return {"eval_before": before, "eval_sft": after_sft, "eval_grpo": after_grpo}

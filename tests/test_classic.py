@@ -28,8 +28,7 @@ from spinwheel.rl.classic.policies import ActorCritic
 torch.set_num_threads(1)
 
 # CartPole settings that learn in a few thousand steps (PPO: the rl-baselines3-zoo tuning).
-PPO_CARTPOLE = dict(num_envs=8, num_steps=32, minibatch_size=256, update_epochs=20, gae_lambda=0.8, gamma=0.98,
-                    lr=1e-3)
+PPO_CARTPOLE = dict(num_envs=8, num_steps=32, minibatch_size=256, update_epochs=20, gae_lambda=0.8, gamma=0.98, lr=1e-3)
 
 
 def quiet(**kwargs) -> ClassicConfig:
@@ -38,6 +37,7 @@ def quiet(**kwargs) -> ClassicConfig:
 
 
 # --- buffer: bootstrapping at truncation, not at termination -------------------------------------------------
+
 
 def loop_targets(rewards, values, final_values, last_values, terminated, truncated, gamma, lam):
     """Per env, per step: GAE and reward-to-go written from the rules in buffer.py's docstring."""
@@ -77,17 +77,28 @@ def test_buffer_targets_equal_a_python_loop(seed):
     buffer = RolloutBuffer(T, N, (2,), (), torch.int64)
     for t in range(T):
         bootstrap = torch.from_numpy(np.where(truncated[t], final_values[t], 0).astype(np.float32))
-        buffer.add(t, torch.zeros(N, 2), torch.zeros(N, dtype=torch.int64), torch.zeros(N),
-                   torch.from_numpy(values[t]), rewards[t], terminated[t], truncated[t], bootstrap)
+        buffer.add(
+            t,
+            torch.zeros(N, 2),
+            torch.zeros(N, dtype=torch.int64),
+            torch.zeros(N),
+            torch.from_numpy(values[t]),
+            rewards[t],
+            terminated[t],
+            truncated[t],
+            bootstrap,
+        )
     batch = buffer.finish(torch.from_numpy(last_values), gamma, lam)
-    adv, rtg = loop_targets(rewards.astype(np.float32), values, final_values, last_values, terminated, truncated,
-                            gamma, lam)
+    adv, rtg = loop_targets(
+        rewards.astype(np.float32), values, final_values, last_values, terminated, truncated, gamma, lam
+    )
     np.testing.assert_allclose(batch.advantages.numpy().reshape(T, N), adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(batch.rewards_to_go.numpy().reshape(T, N), rtg, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(batch.returns.numpy(), (batch.advantages + batch.values).numpy())
 
 
 # --- environments and normalisation ----------------------------------------------------------------------------
+
 
 def test_vec_env_keeps_final_observation_and_flags_truncation():
     env = VecEnv("Pendulum-v1", 2, seed=3)  # Pendulum never terminates; TimeLimit truncates at 200
@@ -132,6 +143,7 @@ def test_running_mean_std_equals_numpy_over_all_batches():
 
 # --- policies ---------------------------------------------------------------------------------------------------
 
+
 def test_categorical_actor_matches_torch_distributions():
     torch.manual_seed(0)
     policy = ActorCritic(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(4))
@@ -142,8 +154,7 @@ def test_categorical_actor_matches_torch_distributions():
     torch.testing.assert_close(policy.actor.log_prob(pd, actions), reference.log_prob(actions))
     torch.testing.assert_close(policy.actor.entropy(pd), reference.entropy())
     other = torch.distributions.Categorical(logits=torch.randn(6, 4))
-    torch.testing.assert_close(policy.actor.kl(pd, other.logits),
-                               torch.distributions.kl_divergence(reference, other))
+    torch.testing.assert_close(policy.actor.kl(pd, other.logits), torch.distributions.kl_divergence(reference, other))
     # Inverse-CDF sampling on a fine grid of uniforms reproduces the probabilities.
     grid = (torch.arange(20_000) + 0.5) / 20_000
     samples = policy.actor.sample(pd[:1].expand(20_000, 4), grid)
@@ -165,8 +176,10 @@ def test_gaussian_actor_matches_torch_distributions():
     torch.testing.assert_close(policy.actor.entropy(pd), reference.entropy().sum(-1))
     other_mean, other_log_std = torch.randn(5, 2), torch.randn(5, 2) * 0.3
     other = torch.distributions.Normal(other_mean, other_log_std.exp())
-    torch.testing.assert_close(policy.actor.kl(pd, torch.cat([other_mean, other_log_std], -1)),
-                               torch.distributions.kl_divergence(reference, other).sum(-1))
+    torch.testing.assert_close(
+        policy.actor.kl(pd, torch.cat([other_mean, other_log_std], -1)),
+        torch.distributions.kl_divergence(reference, other).sum(-1),
+    )
     noise = torch.randn(5, 2)
     torch.testing.assert_close(policy.actor.sample(pd, noise), mean + log_std.exp() * noise)
     torch.testing.assert_close(policy.deterministic_action(obs), mean)
@@ -180,6 +193,7 @@ def test_unsupported_spaces_are_refused_with_a_reason():
 
 
 # --- optimizer --------------------------------------------------------------------------------------------------
+
 
 def test_flat_adam_equals_torch_adam_with_grad_clipping():
     torch.manual_seed(0)
@@ -206,6 +220,7 @@ def test_flat_adam_equals_torch_adam_with_grad_clipping():
 
 # --- config -----------------------------------------------------------------------------------------------------
 
+
 def test_config_defaults_per_algorithm_and_validation_messages():
     assert quiet(algo="ppo").num_envs == 8 and quiet(algo="trpo").max_grad_norm is None
     assert quiet(algo="ppo", max_grad_norm=0).max_grad_norm is None
@@ -228,8 +243,24 @@ def test_config_becomes_command_line_options():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser, ClassicConfig)
-    ns = parser.parse_args(["--algo", "trpo", "--env", "Pendulum-v1", "--steps", "5000", "--seed", "3",
-                            "--num-envs", "2", "--hidden-sizes", "32", "32", "--no-line-search"])
+    ns = parser.parse_args(
+        [
+            "--algo",
+            "trpo",
+            "--env",
+            "Pendulum-v1",
+            "--steps",
+            "5000",
+            "--seed",
+            "3",
+            "--num-envs",
+            "2",
+            "--hidden-sizes",
+            "32",
+            "32",
+            "--no-line-search",
+        ]
+    )
     config = from_args(ClassicConfig, ns)
     assert (config.algo, config.env, config.steps, config.seed, config.num_envs) == ("trpo", "Pendulum-v1", 5000, 3, 2)
     assert config.hidden_sizes == (32, 32) and config.line_search is False and config.num_steps == 512
@@ -237,48 +268,66 @@ def test_config_becomes_command_line_options():
 
 # --- training end to end ----------------------------------------------------------------------------------------
 
+
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
 def test_train_writes_outputs_and_is_reproducible(tmp_path):
-    kwargs = dict(algo="ppo", env="Pendulum-v1", steps=512, num_envs=2, num_steps=128, minibatch_size=64,
-                  update_epochs=2, normalize_obs=True, normalize_reward=True, eval_episodes=2)
+    kwargs = dict(
+        algo="ppo",
+        env="Pendulum-v1",
+        steps=512,
+        num_envs=2,
+        num_steps=128,
+        minibatch_size=64,
+        update_epochs=2,
+        normalize_obs=True,
+        normalize_reward=True,
+        eval_episodes=2,
+    )
     first = train(quiet(out_dir=str(tmp_path / "a"), **kwargs))
     second = train(quiet(out_dir=str(tmp_path / "b"), **kwargs))
     assert first["eval_returns"] == second["eval_returns"] and len(first["eval_returns"]) == 2
     assert math.isfinite(first["eval_return_mean"]) and first["env_steps"] == 512
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     drop = {"time_s", "env_steps_per_s"}
-    assert [{k: v for k, v in r.items() if k not in drop} for r in a[:-1]] == \
-           [{k: v for k, v in r.items() if k not in drop} for r in b[:-1]]
+    assert [{k: v for k, v in r.items() if k not in drop} for r in a[:-1]] == [
+        {k: v for k, v in r.items() if k not in drop} for r in b[:-1]
+    ]
     assert {"approx_kl", "clip_frac", "explained_variance", "episode_return_mean"} <= set(a[0])
     assert a[-1]["eval"]["eval_return_mean"] == first["eval_return_mean"]
     assert (tmp_path / "a" / "learning_curve.png").stat().st_size > 1000
     policy, obs_rms, config = load_policy(tmp_path / "a" / "policy.pt")
     assert config.env == "Pendulum-v1" and obs_rms is not None and obs_rms.count > 0
-    returns = evaluate_policy(policy, "Pendulum-v1", 2, seed=config.seed + 1_000_000, obs_rms=obs_rms,
-                              clip_obs=config.clip_obs)
+    returns = evaluate_policy(
+        policy, "Pendulum-v1", 2, seed=config.seed + 1_000_000, obs_rms=obs_rms, clip_obs=config.clip_obs
+    )
     # Not bit-equal: the trained weights were views into one flat buffer, and BLAS kernels may round
     # differently for differently aligned memory.
     assert returns == pytest.approx(first["eval_returns"], rel=1e-4)
 
 
-@pytest.mark.parametrize("algo,kwargs,steps", [
-    ("ppo", PPO_CARTPOLE, 25_000),
-    ("trpo", dict(num_envs=4, num_steps=256, max_kl=0.03), 20_000),
-    ("vpg", dict(num_envs=4, num_steps=128, lr=1e-2), 30_000),
-])
+@pytest.mark.parametrize(
+    "algo,kwargs,steps",
+    [
+        ("ppo", PPO_CARTPOLE, 25_000),
+        ("trpo", dict(num_envs=4, num_steps=256, max_kl=0.03), 20_000),
+        ("vpg", dict(num_envs=4, num_steps=128, lr=1e-2), 30_000),
+    ],
+)
 def test_learns_cartpole(tmp_path, algo, kwargs, steps):
-    result = train(quiet(algo=algo, env="CartPole-v1", steps=steps, seed=0, eval_episodes=5,
-                         out_dir=str(tmp_path), **kwargs))
+    result = train(
+        quiet(algo=algo, env="CartPole-v1", steps=steps, seed=0, eval_episodes=5, out_dir=str(tmp_path), **kwargs)
+    )
     first_returns = [r["episode_return_mean"] for r in read_metrics(tmp_path)[:3] if r.get("episode_return_mean")]
     assert np.mean(first_returns) < 40  # a random CartPole policy lasts ~20 steps
     assert result["eval_return_mean"] >= 150, result
 
 
 # --- data parallel ----------------------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -288,12 +337,30 @@ def free_port() -> int:
 
 DP_CONFIGS = [
     # small minibatches so the ranks' shares of a minibatch differ (and are sometimes empty)
-    dict(algo="ppo", env="CartPole-v1", steps=4 * 16 * 3, num_envs=4, num_steps=16, minibatch_size=6,
-         update_epochs=2, normalize_obs=True, normalize_reward=True, target_kl=0.02, ent_coef=0.01),
-    dict(algo="trpo", env="Pendulum-v1", steps=4 * 32 * 2, num_envs=4, num_steps=32, minibatch_size=16,
-         update_epochs=2, normalize_obs=True),
-    dict(algo="vpg", env="CartPole-v1", steps=4 * 32 * 2, num_envs=4, num_steps=32, minibatch_size=32,
-         update_epochs=1),
+    dict(
+        algo="ppo",
+        env="CartPole-v1",
+        steps=4 * 16 * 3,
+        num_envs=4,
+        num_steps=16,
+        minibatch_size=6,
+        update_epochs=2,
+        normalize_obs=True,
+        normalize_reward=True,
+        target_kl=0.02,
+        ent_coef=0.01,
+    ),
+    dict(
+        algo="trpo",
+        env="Pendulum-v1",
+        steps=4 * 32 * 2,
+        num_envs=4,
+        num_steps=32,
+        minibatch_size=16,
+        update_epochs=2,
+        normalize_obs=True,
+    ),
+    dict(algo="vpg", env="CartPole-v1", steps=4 * 32 * 2, num_envs=4, num_steps=32, minibatch_size=32, update_epochs=1),
 ]
 
 
@@ -327,8 +394,9 @@ def test_data_parallel_equals_single_process(tmp_path):
         single = torch.load(tmp_path / f"single{i}" / "policy.pt", weights_only=False)
         parallel = torch.load(tmp_path / f"dp{i}" / "policy.pt", weights_only=False)
         for name, value in single["state_dict"].items():
-            torch.testing.assert_close(parallel["state_dict"][name], value, rtol=1e-5, atol=1e-5,
-                                       msg=f"{kwargs['algo']}: {name}")
+            torch.testing.assert_close(
+                parallel["state_dict"][name], value, rtol=1e-5, atol=1e-5, msg=f"{kwargs['algo']}: {name}"
+            )
         if single["obs_rms"] is not None:
             torch.testing.assert_close(parallel["obs_rms"]["mean"], single["obs_rms"]["mean"], rtol=1e-4, atol=1e-5)
         drop = {"time_s", "env_steps_per_s"}

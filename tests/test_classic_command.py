@@ -22,11 +22,13 @@ from spinwheel.cli import main
 from spinwheel.rl.classic import load_policy
 
 ROOT = Path(spinwheel.__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+}
 # Many tiny updates: the run is still early when the signal comes, and each update ends quickly.
-LONG_RUN = ["--num-envs", "2", "--num-steps", "64", "--update-epochs", "1", "--minibatch-size", "128",
-            "--no-progress"]
+LONG_RUN = ["--num-envs", "2", "--num-steps", "64", "--update-epochs", "1", "--minibatch-size", "128", "--no-progress"]
 
 
 def classic(*args: str) -> list[str]:
@@ -34,8 +36,18 @@ def classic(*args: str) -> list[str]:
 
 
 def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "spinwheel.cli", "classic", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "spinwheel.cli",
+        "classic",
+        *args,
+    ]
 
 
 def run(command: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -57,8 +69,10 @@ def wait_for_updates(proc: subprocess.Popen, out_dir: Path, count: int, timeout:
     raise TimeoutError(f"no {count} updates logged within {timeout}s")
 
 
-INTERRUPTED = re.compile(r"interrupted: saved policy\.pt, metrics\.jsonl and learning_curve\.png in (.+) after "
-                         r"update (\d+) of (\d+) \((\d+) steps\)")
+INTERRUPTED = re.compile(
+    r"interrupted: saved policy\.pt, metrics\.jsonl and learning_curve\.png in (.+) after "
+    r"update (\d+) of (\d+) \((\d+) steps\)"
+)
 
 
 def check_interrupted_outputs(out: Path, stdout: str, world_size: int) -> None:
@@ -80,8 +94,13 @@ def check_interrupted_outputs(out: Path, stdout: str, world_size: int) -> None:
 
 def test_ctrl_c_saves_the_policy_and_the_curve_and_exits_130(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(classic("--steps", "1280000", *LONG_RUN, "--out-dir", str(out)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        classic("--steps", "1280000", *LONG_RUN, "--out-dir", str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         wait_for_updates(proc, out, 2)
         proc.send_signal(signal.SIGINT)
@@ -98,8 +117,14 @@ def test_ctrl_c_saves_the_policy_and_the_curve_and_exits_130(tmp_path):
 def test_ctrl_c_under_torchrun_stops_every_rank_at_one_update_and_saves(tmp_path):
     out = tmp_path / "run"
     # Its own session: killpg below is a terminal's Ctrl-C, which reaches torchrun; torchrun forwards it to ranks.
-    proc = subprocess.Popen(torchrun("--steps", "256000", *LONG_RUN, "--out-dir", str(out), "--dist-timeout-s", "60"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        torchrun("--steps", "256000", *LONG_RUN, "--out-dir", str(out), "--dist-timeout-s", "60"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         wait_for_updates(proc, out, 2)
         os.killpg(proc.pid, signal.SIGINT)
@@ -119,12 +144,27 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_one_update_and_saves(tmp_path
 
 def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp_path):
     out = tmp_path / "run"
-    proc = run(classic("--steps", "1500", "--num-envs", "2", "--num-steps", "256", "--eval-episodes", "3",
-                       "--no-progress", "--out-dir", str(out)))
+    proc = run(
+        classic(
+            "--steps",
+            "1500",
+            "--num-envs",
+            "2",
+            "--num-steps",
+            "256",
+            "--eval-episodes",
+            "3",
+            "--no-progress",
+            "--out-dir",
+            str(out),
+        )
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     note, evaluation = proc.stdout.strip().splitlines()
-    assert note == ("note: --steps 1500 is not a multiple of one rollout (num_envs × num_steps = 512); "
-                    "training 1024 steps (2 updates)")
+    assert note == (
+        "note: --steps 1500 is not a multiple of one rollout (num_envs × num_steps = 512); "
+        "training 1024 steps (2 updates)"
+    )
     assert read_metrics(out)[-2]["env_steps"] == 1024
     reported = evaluation.removeprefix("evaluation: return ")
     assert re.fullmatch(r"\d+\.\d ± \d+\.\d", reported), evaluation
@@ -137,19 +177,28 @@ def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp
 def test_unknown_environment_is_one_line_naming_the_fix():
     proc = run(classic("--env", "CartPol-v1"))
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == ("spinwheel classic: error: unknown gymnasium environment 'CartPol-v1': Environment "
-                           "`CartPol` doesn't exist. Did you mean: `CartPole`? (list the ids with python -c 'import "
-                           "gymnasium; gymnasium.pprint_registry()')\n"), proc.stderr
+    assert proc.stderr == (
+        "spinwheel classic: error: unknown gymnasium environment 'CartPol-v1': Environment "
+        "`CartPol` doesn't exist. Did you mean: `CartPole`? (list the ids with python -c 'import "
+        "gymnasium; gymnasium.pprint_registry()')\n"
+    ), proc.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    pytest.param(["--env", "HalfCheetah-v5"], 'HalfCheetah-v5 needs MuJoCo, which is not installed; run '
-                                              'pip install -e ".[mujoco]"',
-                 marks=pytest.mark.skipif(importlib.util.find_spec("mujoco") is not None, reason="MuJoCo installed")),
-    (["--eval", str(ROOT / "pyproject.toml")], f"{ROOT / 'pyproject.toml'} is not a policy.pt written by spinwheel "
-                                               "classic (UnpicklingError"),
-    (["--eval", "no-such-policy.pt"], "[Errno 2] No such file or directory: 'no-such-policy.pt'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        pytest.param(
+            ["--env", "HalfCheetah-v5"],
+            'HalfCheetah-v5 needs MuJoCo, which is not installed; run pip install -e ".[mujoco]"',
+            marks=pytest.mark.skipif(importlib.util.find_spec("mujoco") is not None, reason="MuJoCo installed"),
+        ),
+        (
+            ["--eval", str(ROOT / "pyproject.toml")],
+            f"{ROOT / 'pyproject.toml'} is not a policy.pt written by spinwheel classic (UnpicklingError",
+        ),
+        (["--eval", "no-such-policy.pt"], "[Errno 2] No such file or directory: 'no-such-policy.pt'"),
+    ],
+)
 def test_missing_mujoco_or_a_bad_policy_file_is_one_line(args, message, capsys):
     assert main(["classic", *args]) == 2
     captured = capsys.readouterr()
@@ -161,8 +210,20 @@ def test_bad_out_dir_under_torchrun_fails_every_rank_at_once(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     start = time.monotonic()
-    proc = run(torchrun("--steps", "512", "--num-envs", "2", "--num-steps", "256", "--no-progress",
-                        "--out-dir", str(blocker / "run")), timeout=90)
+    proc = run(
+        torchrun(
+            "--steps",
+            "512",
+            "--num-envs",
+            "2",
+            "--num-steps",
+            "256",
+            "--no-progress",
+            "--out-dir",
+            str(blocker / "run"),
+        ),
+        timeout=90,
+    )
     assert time.monotonic() - start < 60  # the peers do not wait for the 300 s collective timeout
     assert proc.returncode != 0
     assert proc.stderr.count("spinwheel classic: error:") == 1 and "Not a directory" in proc.stderr, proc.stderr

@@ -46,8 +46,9 @@ def test_penalty_loss_equals_the_formula(beta):
     logits_old, logits_new = torch.randn(9, 4), torch.randn(9, 4, requires_grad=True)
     actions, advantages = torch.randint(0, 4, (9,)), torch.randn(9)
     pd_old, pd_new = torch.log_softmax(logits_old, -1), torch.log_softmax(logits_new, -1)
-    loss, stats = ppo_penalty_loss(actor.log_prob(pd_new, actions), actor.log_prob(pd_old, actions), advantages,
-                                   actor.kl(pd_old, pd_new), beta)
+    loss, stats = ppo_penalty_loss(
+        actor.log_prob(pd_new, actions), actor.log_prob(pd_old, actions), advantages, actor.kl(pd_old, pd_new), beta
+    )
     objective, surrogate, kl = naive_penalty_objective(logits_old, logits_new.detach(), actions, advantages, beta)
     assert loss.item() == pytest.approx(-objective, rel=1e-6, abs=1e-6)
     assert stats["surrogate"].item() == pytest.approx(surrogate, rel=1e-6)
@@ -69,8 +70,9 @@ def test_penalty_loss_at_the_old_policy_is_the_advantage_mean():
     assert stats["approx_kl"].item() == 0.0 and stats["ratio_mean"].item() == 1.0
 
 
-@pytest.mark.parametrize("kl,expected", [(0.001, 0.5), (0.0066, 0.5), (0.0067, 1.0), (0.01, 1.0), (0.015, 1.0),
-                                         (0.0151, 2.0), (0.2, 2.0)])
+@pytest.mark.parametrize(
+    "kl,expected", [(0.001, 0.5), (0.0066, 0.5), (0.0067, 1.0), (0.01, 1.0), (0.015, 1.0), (0.0151, 2.0), (0.2, 2.0)]
+)
 def test_adaptive_beta_halves_below_and_doubles_above_the_band(kl, expected):
     assert adapt_kl_coef(1.0, kl, kl_target=0.01) == expected  # band: [0.01 / 1.5, 0.01 * 1.5]
     assert adapt_kl_coef(0.25, kl, kl_target=0.0) == 0.25  # target 0: a fixed β
@@ -85,8 +87,16 @@ def test_config_refuses_the_variant_outside_ppo_and_a_bad_beta():
         quiet(ppo_variant="adaptive")
 
 
-SMALL = dict(env="CartPole-v1", steps=4 * 64 * 4, num_envs=4, num_steps=64, minibatch_size=64, update_epochs=3,
-             lr=3e-3, eval_episodes=0)
+SMALL = dict(
+    env="CartPole-v1",
+    steps=4 * 64 * 4,
+    num_envs=4,
+    num_steps=64,
+    minibatch_size=64,
+    update_epochs=3,
+    lr=3e-3,
+    eval_episodes=0,
+)
 
 
 def test_beta_follows_the_rule_from_each_update_kl(tmp_path):
@@ -100,8 +110,20 @@ def test_beta_follows_the_rule_from_each_update_kl(tmp_path):
 
 
 def test_ppo_penalty_learns_cartpole(tmp_path):
-    result = train(quiet(env="CartPole-v1", steps=25_000, seed=0, num_envs=8, num_steps=256, minibatch_size=256,
-                         update_epochs=10, lr=1e-3, eval_episodes=5, out_dir=str(tmp_path)))
+    result = train(
+        quiet(
+            env="CartPole-v1",
+            steps=25_000,
+            seed=0,
+            num_envs=8,
+            num_steps=256,
+            minibatch_size=256,
+            update_epochs=10,
+            lr=1e-3,
+            eval_episodes=5,
+            out_dir=str(tmp_path),
+        )
+    )
     first = [r["episode_return_mean"] for r in read_metrics(tmp_path)[:2] if r.get("episode_return_mean")]
     assert sum(first) / len(first) < 40  # a random CartPole policy lasts ~20 steps
     assert result["eval_return_mean"] >= 150, result

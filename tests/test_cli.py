@@ -18,10 +18,15 @@ from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.sft_config import SFTConfig
 
 
-@pytest.mark.parametrize("command,configs", [("sft", [(SFTConfig, ""), (ArithmeticConfig, "task-")]),
-                                             ("demo", [(DemoConfig, "")]),
-                                             ("generate", [(GenerateConfig, ""), (PlacementConfig, "")]),
-                                             ("serve", [(PlacementConfig, "")])])
+@pytest.mark.parametrize(
+    "command,configs",
+    [
+        ("sft", [(SFTConfig, ""), (ArithmeticConfig, "task-")]),
+        ("demo", [(DemoConfig, "")]),
+        ("generate", [(GenerateConfig, ""), (PlacementConfig, "")]),
+        ("serve", [(PlacementConfig, "")]),
+    ],
+)
 def test_help_documents_every_field(command, configs, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
@@ -43,8 +48,9 @@ def _error_line(capsys) -> str:
 def test_malformed_jsonl_line(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": 4}\n')
-    assert main(["sft", "--data", str(data), "--model", "test", "--out-dir", str(tmp_path / "run"),
-                 "--no-progress"]) == 2
+    assert (
+        main(["sft", "--data", str(data), "--model", "test", "--out-dir", str(tmp_path / "run"), "--no-progress"]) == 2
+    )
     err = _error_line(capsys)
     assert "train.jsonl:2" in err and "'completion'" in err
 
@@ -67,9 +73,31 @@ def test_bad_option_values(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    assert main(["sft", "--model", "test", "--out-dir", str(out), "--steps", "3", "--batch-size", "4",
-                 "--eval-examples", "4", "--max-new-tokens", "3", "--task-num-train", "50", "--task-num-test",
-                 "5", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--model",
+                "test",
+                "--out-dir",
+                str(out),
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--eval-examples",
+                "4",
+                "--max-new-tokens",
+                "3",
+                "--task-num-train",
+                "50",
+                "--task-num-test",
+                "5",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return out / "checkpoint"
 
 
@@ -80,7 +108,7 @@ def outputs(text: str) -> list[tuple[str, list[str]]]:
         lines = block.splitlines()
         assert lines[0].startswith("prompt: ")
         assert all(re.match(r"output( \d+)?: ", line) for line in lines[1:]), block
-        blocks.append((lines[0][len("prompt: "):], [line.split(": ", 1)[1] for line in lines[1:]]))
+        blocks.append((lines[0][len("prompt: ") :], [line.split(": ", 1)[1] for line in lines[1:]]))
     return blocks
 
 
@@ -91,9 +119,25 @@ def test_sft_then_generate_end_to_end(checkpoint, capsys):
     greedy = outputs(text)
     assert [p for p, _ in greedy] == ["1+2=", "3+4="] and all(len(c) == 1 for _, c in greedy)
     # engine options reach the engine: tiny blocks, the model's own forward, no prefix cache -> the same text
-    assert main(["generate", "--model", str(checkpoint), "--prompt", "1+2=", "3+4=", "--max-tokens", "3",
-                 "--engine-block-size", "2", "--no-engine-cpu-packed-weights",
-                 "--no-engine-enable-prefix-caching"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(checkpoint),
+                "--prompt",
+                "1+2=",
+                "3+4=",
+                "--max-tokens",
+                "3",
+                "--engine-block-size",
+                "2",
+                "--no-engine-cpu-packed-weights",
+                "--no-engine-enable-prefix-caching",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == text
     assert main(["generate", "--model", str(checkpoint), "--engine-block-size", "0"]) == 2
     assert "block_size" in _error_line(capsys)
@@ -113,7 +157,7 @@ def test_generate_sampling_options(checkpoint, capsys):
     assert len(outputs(capsys.readouterr().out)[0][1]) == 4
     stop = next(ch for ch in greedy[1:] if ch.strip())
     assert main(base + ["--stop", stop]) == 0
-    assert outputs(capsys.readouterr().out)[0][1] == [greedy[:greedy.index(stop)]]
+    assert outputs(capsys.readouterr().out)[0][1] == [greedy[: greedy.index(stop)]]
     assert main(base + ["--n", "0"]) == 2
     assert "--n" in _error_line(capsys)
 
@@ -135,8 +179,7 @@ def test_generate_and_serve_spell_settings_alike():
 
 
 def test_version_and_descriptions():
-    proc = subprocess.run([sys.executable, "-m", "spinwheel", "--version"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "spinwheel", "--version"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"spinwheel {spinwheel.__version__}"
     sub = next(a for a in build_parser()._actions if isinstance(a, __import__("argparse")._SubParsersAction))
     for name, p in sub.choices.items():
@@ -156,15 +199,20 @@ def test_help_shows_each_default_once(command, capsys):
 
 
 def test_launch_help_is_torchruns(capsys):
-    proc = subprocess.run([sys.executable, "-m", "spinwheel", "launch", "--help"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spinwheel", "launch", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "spinwheel launch" in proc.stdout and "--nproc-per-node" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU build of torch")
 def test_cuda_device_without_cuda_is_one_line(tmp_path, capsys):
-    proc = subprocess.run([sys.executable, "-m", "spinwheel", "sft", "--device", "cuda", "--out-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spinwheel", "sft", "--device", "cuda", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--device cuda: this PyTorch build has no CUDA" in proc.stderr
     for command in (["generate"], ["serve"], ["grpo", "--out-dir", str(tmp_path)]):
@@ -192,8 +240,26 @@ def test_demo_never_deletes_a_directory_it_did_not_write(tmp_path, capsys):
 
 def test_classic_command_writes_its_outputs(tmp_path, capsys):
     out = tmp_path / "cl"
-    assert main(["classic", "--algo", "ppo", "--env", "CartPole-v1", "--steps", "1024", "--num-envs", "2",
-                 "--out-dir", str(out), "--eval-episodes", "2"]) == 0
+    assert (
+        main(
+            [
+                "classic",
+                "--algo",
+                "ppo",
+                "--env",
+                "CartPole-v1",
+                "--steps",
+                "1024",
+                "--num-envs",
+                "2",
+                "--out-dir",
+                str(out),
+                "--eval-episodes",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "evaluation: return" in capsys.readouterr().out
     assert {"metrics.jsonl", "learning_curve.png", "policy.pt"} <= {p.name for p in out.iterdir()}
     with pytest.raises(SystemExit):  # argparse rejects an unknown algorithm

@@ -6,7 +6,6 @@ once) where torchrun's own launcher adds a traceback."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,18 +16,67 @@ from pathlib import Path
 import pytest
 import torch
 
+from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.metrics import read_metrics
 from spinwheel.train.sft import train_sft
 from spinwheel.train.sft_config import SFTConfig
-from spinwheel.tasks.arithmetic import ArithmeticConfig
 
-SFT = ["--model", "test", "--steps", "5000", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2",
-       "--eval-every", "0", "--eval-examples", "4", "--max-new-tokens", "3", "--save-every", "0",
-       "--task-num-digits", "1", "--task-num-train", "40", "--task-num-test", "6", "--no-progress",
-       "--num-threads", "1"]
-GRPO = ["--model", "test", "--steps", "5000", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "3",
-        "--eval-every", "0", "--eval-examples", "2", "--save-every", "0", "--task-num-digits", "1",
-        "--task-num-train", "20", "--task-num-test", "2", "--no-progress", "--num-threads", "1"]
+SFT = [
+    "--model",
+    "test",
+    "--steps",
+    "5000",
+    "--batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--eval-examples",
+    "4",
+    "--max-new-tokens",
+    "3",
+    "--save-every",
+    "0",
+    "--task-num-digits",
+    "1",
+    "--task-num-train",
+    "40",
+    "--task-num-test",
+    "6",
+    "--no-progress",
+    "--num-threads",
+    "1",
+]
+GRPO = [
+    "--model",
+    "test",
+    "--steps",
+    "5000",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "2",
+    "--max-new-tokens",
+    "3",
+    "--eval-every",
+    "0",
+    "--eval-examples",
+    "2",
+    "--save-every",
+    "0",
+    "--task-num-digits",
+    "1",
+    "--task-num-train",
+    "20",
+    "--task-num-test",
+    "2",
+    "--no-progress",
+    "--num-threads",
+    "1",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 LAUNCH = [sys.executable, "-m", "spinwheel", "launch", "--nproc-per-node", "2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "spinwheel"]
@@ -72,10 +120,24 @@ def assert_one_message(proc: subprocess.CompletedProcess, step: int, out: Path) 
 def reference_losses(tmp_path: Path, steps: int) -> list[float]:
     """The per-step losses of an uninterrupted one-process run of ``SFT`` for ``steps`` steps."""
     out = tmp_path / "reference"
-    train_sft(SFTConfig(model="test", out_dir=str(out), steps=5000, batch_size=8, lr=3e-3, warmup_steps=2,
-                        eval_every=0, eval_examples=4, max_new_tokens=3, save_every=0, num_threads=1,
-                        progress=False, stop_after=steps,
-                        task=ArithmeticConfig(num_digits=1, num_train=40, num_test=6)))
+    train_sft(
+        SFTConfig(
+            model="test",
+            out_dir=str(out),
+            steps=5000,
+            batch_size=8,
+            lr=3e-3,
+            warmup_steps=2,
+            eval_every=0,
+            eval_examples=4,
+            max_new_tokens=3,
+            save_every=0,
+            num_threads=1,
+            progress=False,
+            stop_after=steps,
+            task=ArithmeticConfig(num_digits=1, num_train=40, num_test=6),
+        )
+    )
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import spinwheel
+from spinwheel.models.presets import preset_config
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
-from spinwheel.models.presets import preset_config
 from spinwheel.train.checkpoint import save_checkpoint
 
 CHAIN = "123"  # the model below continues 1 -> 2 -> 3 -> <eos> -> 9 -> 9 ...
@@ -27,8 +27,7 @@ def chain_model(tok: Tokenizer) -> Transformer:
     token ``i``: greedy decoding follows ``f``. After EOS comes more text, so only a stop at EOS ends early."""
     model = Transformer(preset_config("test", tok.vocab_size, tie_word_embeddings=False)).init_weights(0)
     ids = {c: tok.encode(c, add_special_tokens=False)[0] for c in "1239"}
-    follow = {ids["1"]: ids["2"], ids["2"]: ids["3"], ids["3"]: tok.eos_id, tok.eos_id: ids["9"],
-              ids["9"]: ids["9"]}
+    follow = {ids["1"]: ids["2"], ids["2"]: ids["3"], ids["3"]: tok.eos_id, tok.eos_id: ids["9"], ids["9"]: ids["9"]}
     with torch.no_grad():
         for layer in model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -49,8 +48,11 @@ def test_hf_generate_stops_at_eos(tmp_path):
     assert tok.decode(ours, skip_special_tokens=False) == "23<eos>999"  # without a stop it runs on
     ckpt = save_checkpoint(tmp_path / "checkpoint", model, tok)
     config = json.loads((ckpt / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (tok.bos_id, tok.eos_id,
-                                                                                        tok.pad_id)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        tok.bos_id,
+        tok.eos_id,
+        tok.pad_id,
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
@@ -71,9 +73,27 @@ def test_hub_id_through_the_local_cache(tmp_path):
     env.pop("HF_HUB_OFFLINE", None)
 
     def generate(model: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "spinwheel", "generate", "--model", model, "--prompt", "1",
-                               "--max-tokens", "6", "--device", "cpu"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spinwheel",
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "1",
+                "--max-tokens",
+                "6",
+                "--device",
+                "cpu",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     proc = generate("spinwheel-test/chain")
     assert proc.returncode == 0, proc.stderr

@@ -15,16 +15,43 @@ from pathlib import Path
 from spinwheel.cli import main
 from spinwheel.train.metrics import read_metrics
 
-ARGS = ["--model", "test", "--steps", "6", "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1",
-        "--eval-examples", "4", "--max-new-tokens", "3", "--task-num-digits", "1", "--task-num-train", "40",
-        "--task-num-test", "4", "--no-progress", "--num-threads", "1"]
+ARGS = [
+    "--model",
+    "test",
+    "--steps",
+    "6",
+    "--batch-size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "1",
+    "--eval-examples",
+    "4",
+    "--max-new-tokens",
+    "3",
+    "--task-num-digits",
+    "1",
+    "--task-num-train",
+    "40",
+    "--task-num-test",
+    "4",
+    "--no-progress",
+    "--num-threads",
+    "1",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def sft(out: Path, *extra: str, umask: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spinwheel", "sft", *ARGS, "--out-dir", str(out), *extra],
-                          capture_output=True, text=True, env=ENV, timeout=300,
-                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+    return subprocess.run(
+        [sys.executable, "-m", "spinwheel", "sft", *ARGS, "--out-dir", str(out), *extra],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -91,7 +118,22 @@ def test_dropped_examples_are_counted_on_the_console(tmp_path, capsys):
     rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(6)]
     rows += [{"prompt": "9" * 40 + "=", "completion": "1"}, {"prompt": "8" * 50 + "=", "completion": "2"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["sft", *ARGS, "--data", str(data), "--max-seq-len", "20", "--steps", "2",
-                 "--out-dir", str(tmp_path / "run")]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                *ARGS,
+                "--data",
+                str(data),
+                "--max-seq-len",
+                "20",
+                "--steps",
+                "2",
+                "--out-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 0
+    )
     assert "dropped 2 examples longer than --max-seq-len 20" in capsys.readouterr().out
     assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["num_dropped"] == 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 import transformers
 
 from spinwheel.engine import LLM, SamplingParams
@@ -65,31 +64,45 @@ def test_paged_attention_matches_dense_on_cuda():
     tables = torch.tensor([s[3] + [0] * (max_blocks - len(s[3])) for s in decodes], device=dev)
     lens = torch.tensor([s[0] for s in decodes], device=dev)
     bias = torch.zeros(len(decodes), max_blocks * bs, device=dev).masked_fill(
-        torch.arange(max_blocks * bs, device=dev)[None] >= lens[:, None], float("-inf"))[:, None, None]
+        torch.arange(max_blocks * bs, device=dev)[None] >= lens[:, None], float("-inf")
+    )[:, None, None]
     spans, row = [], len(decodes)
     for total, cached, new, table, *_ in prefills:
         spans.append(PrefillSpan(row, new, total, torch.tensor(table, device=dev)))
         row += new
-    meta = PagedAttentionMetadata(torch.cat([s[7][s[1]:] for s in seqs]), [DecodeBucket(0, tables, bias, lens)],
-                                  spans)
-    out = paged_attention(torch.cat([s[4][s[1]:] for s in seqs]), torch.cat([s[5][s[1]:] for s in seqs]),
-                          torch.cat([s[6][s[1]:] for s in seqs]), k_cache, v_cache, meta)
+    meta = PagedAttentionMetadata(torch.cat([s[7][s[1] :] for s in seqs]), [DecodeBucket(0, tables, bias, lens)], spans)
+    out = paged_attention(
+        torch.cat([s[4][s[1] :] for s in seqs]),
+        torch.cat([s[5][s[1] :] for s in seqs]),
+        torch.cat([s[6][s[1] :] for s in seqs]),
+        k_cache,
+        v_cache,
+        meta,
+    )
     row = 0
     for total, cached, new, _, q, k, v, _ in seqs:
         dense = SDPAAttention()(q[None], k[None], v[None], None, 0)[0]
-        torch.testing.assert_close(out[row:row + new], dense[cached:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[row : row + new], dense[cached:], atol=1e-5, rtol=1e-5)
         row += new
 
 
 def _hf_greedy(hf, prompt, max_new=16):
-    out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=max_new, do_sample=False,
-                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
-                      eos_token_id=EOS, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt], device=hf.device),
+        max_new_tokens=max_new,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("config", [dict(), dict(block_size=4, num_kv_blocks=24, preemption_mode="swap",
-                                                 num_cpu_blocks=64)], ids=["default", "swap"])
+@pytest.mark.parametrize(
+    "config",
+    [dict(), dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", num_cpu_blocks=64)],
+    ids=["default", "swap"],
+)
 def test_engine_greedy_matches_hf_on_cuda(checkpoint, config):
     path, _ = checkpoint
     prompts = _prompts()
@@ -124,8 +137,14 @@ def _nccl_layouts(rank: int, world_size: int) -> dict[str, float]:
         return Transformer(preset_config("test", 64, num_hidden_layers=2)).init_weights(seed=1).cuda()
 
     gen = torch.Generator().manual_seed(2)
-    batches = [(torch.randint(0, 64, (4, 12), generator=gen).cuda(), torch.randint(0, 64, (4, 12), generator=gen).cuda(),
-                torch.ones(4, 12, device="cuda")) for _ in range(4)]
+    batches = [
+        (
+            torch.randint(0, 64, (4, 12), generator=gen).cuda(),
+            torch.randint(0, 64, (4, 12), generator=gen).cuda(),
+            torch.ones(4, 12, device="cuda"),
+        )
+        for _ in range(4)
+    ]
     ref_model = model()
     opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
     ref = []

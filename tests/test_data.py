@@ -39,27 +39,41 @@ def raises_at(path: Path, line: int, message: str):
 
 
 def test_sft_reads_both_formats_and_skips_blank_lines(tmp_path):
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="},
-            {"role": "assistant", "content": "4", "name": "bot"}]
-    path = write_lines(tmp_path, [
-        json.dumps({"prompt": "1+1=", "completion": "2", "source": "unit test"}),
-        "",
-        "   ",
-        json.dumps({"messages": chat}),
-    ])
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2="},
+        {"role": "assistant", "content": "4", "name": "bot"},
+    ]
+    path = write_lines(
+        tmp_path,
+        [
+            json.dumps({"prompt": "1+1=", "completion": "2", "source": "unit test"}),
+            "",
+            "   ",
+            json.dumps({"messages": chat}),
+        ],
+    )
     assert read_sft_jsonl(path) == [
         SFTRecord(prompt="1+1=", completion="2"),
         # Extra keys are ignored, also inside messages.
-        SFTRecord(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="},
-                            {"role": "assistant", "content": "4"}]),
+        SFTRecord(
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "2+2="},
+                {"role": "assistant", "content": "4"},
+            ]
+        ),
     ]
 
 
 def test_rl_converts_integer_answers_to_text(tmp_path):
-    path = write_lines(tmp_path, [
-        json.dumps({"prompt": "3-15=", "answer": -12}),
-        json.dumps({"prompt": "1+1=", "answer": "2", "difficulty": 1}),
-    ])
+    path = write_lines(
+        tmp_path,
+        [
+            json.dumps({"prompt": "3-15=", "answer": -12}),
+            json.dumps({"prompt": "1+1=", "answer": "2", "difficulty": 1}),
+        ],
+    )
     assert read_rl_jsonl(path) == [RLRecord("3-15=", "-12"), RLRecord("1+1=", "2")]
 
 
@@ -123,55 +137,80 @@ def test_invalid_utf8(tmp_path):
         read_rl_jsonl(path)
 
 
-@pytest.mark.parametrize("line, message", [
-    ('[1, 2]', "expected a JSON object, got list"),
-    ('"text"', "expected a JSON object, got string"),
-    ('{"completion": "2"}', """missing field 'prompt' (expected {"prompt", "completion"} or {"messages"})"""),
-    ('{"prompt": "1+1="}', """missing field 'completion' (expected {"prompt", "completion"} or {"messages"})"""),
-    ('{"prompt": "1+1=", "completion": 2}', "field 'completion' must be a string, got int"),
-    ('{"prompt": null, "completion": "2"}', "field 'prompt' must be a string, got null"),
-    ('{"prompt": "1+1=", "messages": []}',
-     """field 'prompt' given together with 'messages'; use one format (expected {"prompt", "completion"} or """
-     """{"messages"})"""),
-    ('{"messages": []}', """field 'messages' must be a non-empty list of {"role", "content"}, got an empty list"""),
-    ('{"messages": {"role": "user"}}',
-     """field 'messages' must be a non-empty list of {"role", "content"}, got object"""),
-    ('{"messages": ["hi"]}', "field 'messages[0]' must be an object, got string"),
-    ('{"messages": [{"content": "2"}]}', "missing field 'role' in 'messages[0]'"),
-    ('{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant"}]}',
-     "missing field 'content' in 'messages[1]'"),
-    ('{"messages": [{"role": "assistant", "content": 2}]}', "field 'content' must be a string, got int"),
-    ('{"messages": [{"role": "bot", "content": "2"}]}',
-     "field 'messages[0].role' must be one of system, user, assistant, got 'bot'"),
-    ('{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "1+1="}]}',
-     "field 'messages[1].role' must be 'assistant' (the last message is the reply to train on), got 'user'"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('"text"', "expected a JSON object, got string"),
+        ('{"completion": "2"}', """missing field 'prompt' (expected {"prompt", "completion"} or {"messages"})"""),
+        ('{"prompt": "1+1="}', """missing field 'completion' (expected {"prompt", "completion"} or {"messages"})"""),
+        ('{"prompt": "1+1=", "completion": 2}', "field 'completion' must be a string, got int"),
+        ('{"prompt": null, "completion": "2"}', "field 'prompt' must be a string, got null"),
+        (
+            '{"prompt": "1+1=", "messages": []}',
+            """field 'prompt' given together with 'messages'; use one format (expected {"prompt", "completion"} or """
+            """{"messages"})""",
+        ),
+        ('{"messages": []}', """field 'messages' must be a non-empty list of {"role", "content"}, got an empty list"""),
+        (
+            '{"messages": {"role": "user"}}',
+            """field 'messages' must be a non-empty list of {"role", "content"}, got object""",
+        ),
+        ('{"messages": ["hi"]}', "field 'messages[0]' must be an object, got string"),
+        ('{"messages": [{"content": "2"}]}', "missing field 'role' in 'messages[0]'"),
+        (
+            '{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant"}]}',
+            "missing field 'content' in 'messages[1]'",
+        ),
+        ('{"messages": [{"role": "assistant", "content": 2}]}', "field 'content' must be a string, got int"),
+        (
+            '{"messages": [{"role": "bot", "content": "2"}]}',
+            "field 'messages[0].role' must be one of system, user, assistant, got 'bot'",
+        ),
+        (
+            '{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "1+1="}]}',
+            "field 'messages[1].role' must be 'assistant' (the last message is the reply to train on), got 'user'",
+        ),
+    ],
+)
 def test_sft_malformed_line(tmp_path, line, message):
     path = write_lines(tmp_path, [json.dumps({"prompt": "1+1=", "completion": "2"}), "", line])
     with raises_at(path, 3, message):
         read_sft_jsonl(path)
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"answer": "2"}', """missing field 'prompt' (expected {"prompt", "answer"})"""),
-    ('{"prompt": "1+1="}', """missing field 'answer' (expected {"prompt", "answer"})"""),
-    ('{"prompt": 11, "answer": "2"}', "field 'prompt' must be a string, got int"),
-    ('{"prompt": "1/2=", "answer": 0.5}', "field 'answer' must be a string or an integer, got float"),
-    ('{"prompt": "1=1?", "answer": true}', "field 'answer' must be a string or an integer, got bool"),
-    ('{"prompt": "1+1=", "answer": [2]}', "field 'answer' must be a string or an integer, got list"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"answer": "2"}', """missing field 'prompt' (expected {"prompt", "answer"})"""),
+        ('{"prompt": "1+1="}', """missing field 'answer' (expected {"prompt", "answer"})"""),
+        ('{"prompt": 11, "answer": "2"}', "field 'prompt' must be a string, got int"),
+        ('{"prompt": "1/2=", "answer": 0.5}', "field 'answer' must be a string or an integer, got float"),
+        ('{"prompt": "1=1?", "answer": true}', "field 'answer' must be a string or an integer, got bool"),
+        ('{"prompt": "1+1=", "answer": [2]}', "field 'answer' must be a string or an integer, got list"),
+    ],
+)
 def test_rl_malformed_line(tmp_path, line, message):
     path = write_lines(tmp_path, [json.dumps({"prompt": "1+1=", "answer": 2}), line])
     with raises_at(path, 2, message):
         read_rl_jsonl(path)
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"chosen": "2", "rejected": "3"}', """missing field 'prompt' (expected {"prompt", "chosen", "rejected"})"""),
-    ('{"prompt": "1+1=", "rejected": "3"}', """missing field 'chosen' (expected {"prompt", "chosen", "rejected"})"""),
-    ('{"prompt": "1+1=", "chosen": "2"}', """missing field 'rejected' (expected {"prompt", "chosen", "rejected"})"""),
-    ('{"prompt": "1+1=", "chosen": "2", "rejected": 3}', "field 'rejected' must be a string, got int"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"chosen": "2", "rejected": "3"}', """missing field 'prompt' (expected {"prompt", "chosen", "rejected"})"""),
+        (
+            '{"prompt": "1+1=", "rejected": "3"}',
+            """missing field 'chosen' (expected {"prompt", "chosen", "rejected"})""",
+        ),
+        (
+            '{"prompt": "1+1=", "chosen": "2"}',
+            """missing field 'rejected' (expected {"prompt", "chosen", "rejected"})""",
+        ),
+        ('{"prompt": "1+1=", "chosen": "2", "rejected": 3}', "field 'rejected' must be a string, got int"),
+    ],
+)
 def test_preference_malformed_line(tmp_path, line, message):
     path = write_lines(tmp_path, [line])
     with raises_at(path, 1, message):

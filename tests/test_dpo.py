@@ -38,22 +38,37 @@ def hand_sequence_logprob(model: Transformer, prompt_ids, completion_ids, mean: 
     return sum(terms) / len(terms) if mean else sum(terms)
 
 
-@pytest.mark.parametrize("loss_type,smoothing,nll", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0),
-                                                     ("sigmoid", 0.0, 0.7)])
+@pytest.mark.parametrize(
+    "loss_type,smoothing,nll", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0), ("sigmoid", 0.0, 0.7)]
+)
 def test_loss_through_learner_equals_formula(loss_type, smoothing, nll):
     pairs = [tokenize_pair(TOK, *t, add_eos=True) for t in TEXTS]
     policy, reference = make_model(1), make_model(2)
     loss = DPOLoss(beta=0.3, loss_type=loss_type, label_smoothing=smoothing, nll_weight=nll)
     mean = loss_type == "ipo"
     pairs = with_reference(LocalLearner(reference, None), pairs, loss, TOK.pad_id, chunk=3)  # a padded last chunk
-    sides = [("pc", policy, "chosen"), ("pr", policy, "rejected"), ("rc", reference, "chosen"),
-             ("rr", reference, "rejected")]
-    hand = {k: torch.tensor([hand_sequence_logprob(m, p.prompt_ids, getattr(p, f"{side}_ids"), mean) for p in pairs],
-                            dtype=torch.float64) for k, m, side in sides}
-    torch.testing.assert_close(torch.tensor([p.ref_logprobs for p in pairs], dtype=torch.float64),
-                               torch.stack([hand["rc"], hand["rr"]], 1), rtol=1e-5, atol=1e-5)
-    want, stats = dpo_loss(hand["pc"], hand["pr"], hand["rc"], hand["rr"], beta=0.3, loss_type=loss_type,
-                           label_smoothing=smoothing)
+    sides = [
+        ("pc", policy, "chosen"),
+        ("pr", policy, "rejected"),
+        ("rc", reference, "chosen"),
+        ("rr", reference, "rejected"),
+    ]
+    hand = {
+        k: torch.tensor(
+            [hand_sequence_logprob(m, p.prompt_ids, getattr(p, f"{side}_ids"), mean) for p in pairs],
+            dtype=torch.float64,
+        )
+        for k, m, side in sides
+    }
+    torch.testing.assert_close(
+        torch.tensor([p.ref_logprobs for p in pairs], dtype=torch.float64),
+        torch.stack([hand["rc"], hand["rr"]], 1),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    want, stats = dpo_loss(
+        hand["pc"], hand["pr"], hand["rc"], hand["rr"], beta=0.3, loss_type=loss_type, label_smoothing=smoothing
+    )
     if nll:  # RPO: the token-mean NLL of every chosen completion's tokens together
         summed = [hand_sequence_logprob(policy, p.prompt_ids, p.chosen_ids, mean=False) for p in pairs]
         want = want - nll * sum(summed) / sum(len(p.chosen_ids) for p in pairs)
@@ -75,14 +90,13 @@ def test_pair_batch_marks_completion_tokens():
 
 def test_self_generated_pairs_pair_correct_with_wrong():
     prompts = [TaskPrompt("1+1=", (1, 5), "2"), TaskPrompt("2+2=", (1, 6), "4"), TaskPrompt("3+3=", (1, 7), "6")]
-    ids = [[10], [11], [10], [12],  [20], [20], [21], [21],  [30], [31], [31], [32]]
-    rewards = [0.0, 1.0, 0.0, 1.0,  1.0, 1.0, 1.0, 1.0,  0.0, 0.0, 0.0, 1.0]
+    ids = [[10], [11], [10], [12], [20], [20], [21], [21], [30], [31], [31], [32]]
+    rewards = [0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     groups = SampledGroups(prompts, 4, ids, [str(i) for i in ids], rewards)
     assert groups.num_mixed == 2
     pairs = self_generated_pairs(groups, max_pairs_per_prompt=2)
     # prompt 0: correct [11], [12]; wrong [10] (its repeat is dropped) -> one pair; prompt 1 all right -> none.
-    assert [(p.prompt, p.chosen_ids, p.rejected_ids) for p in pairs] == [("1+1=", (11,), (10,)),
-                                                                        ("3+3=", (32,), (30,))]
+    assert [(p.prompt, p.chosen_ids, p.rejected_ids) for p in pairs] == [("1+1=", (11,), (10,)), ("3+3=", (32,), (30,))]
 
 
 def _write_pairs(path, n: int = 24) -> None:
@@ -95,8 +109,18 @@ def _write_pairs(path, n: int = 24) -> None:
 
 
 def _config(tmp_path, **kw) -> DPOConfig:
-    base = dict(model="test", data=str(tmp_path / "pairs.jsonl"), out_dir=str(tmp_path / "dpo"), steps=8,
-                batch_size=4, lr=2e-3, warmup_steps=0, eval_every=0, eval_fraction=0.2, progress=False)
+    base = dict(
+        model="test",
+        data=str(tmp_path / "pairs.jsonl"),
+        out_dir=str(tmp_path / "dpo"),
+        steps=8,
+        batch_size=4,
+        lr=2e-3,
+        warmup_steps=0,
+        eval_every=0,
+        eval_fraction=0.2,
+        progress=False,
+    )
     return DPOConfig(**{**base, **kw})
 
 
@@ -120,8 +144,9 @@ def test_short_run_raises_the_margin_and_resumes_exactly(tmp_path):
 
 def test_bad_input_is_one_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", "chosen": " ", '
-                    '"rejected": "5"}\n')
+    path.write_text(
+        '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", "chosen": " ", "rejected": "5"}\n'
+    )
     with pytest.raises(DataError, match=r"bad.jsonl:2: field 'chosen' is empty"):
         read_preference_jsonl(path)
     path.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "2"}\n')

@@ -49,28 +49,38 @@ def test_paged_attention_matches_dense_on_mixed_batch(fused):
         tables = torch.tensor([s[3] + [0] * (max_blocks - len(s[3])) for s in part])
         lens = torch.tensor([s[0] for s in part])
         bias = torch.zeros(len(part), max_blocks * bs).masked_fill(
-            torch.arange(max_blocks * bs)[None] >= lens[:, None], float("-inf"))[:, None, None]
+            torch.arange(max_blocks * bs)[None] >= lens[:, None], float("-inf")
+        )[:, None, None]
         buckets.append(DecodeBucket(start, tables, None if fused else bias, lens))
     spans, row = [], len(decodes)
-    for total, cached, new, table, *_ in seqs[len(decodes):]:
+    for total, cached, new, table, *_ in seqs[len(decodes) :]:
         spans.append(PrefillSpan(row, new, total, torch.tensor(table)))
         row += new
-    q = torch.cat([s[4][s[1]:] for s in seqs])
-    k = torch.cat([s[5][s[1]:] for s in seqs])
-    v = torch.cat([s[6][s[1]:] for s in seqs])
-    slot_mapping = torch.cat([s[7][s[1]:] for s in seqs])
+    q = torch.cat([s[4][s[1] :] for s in seqs])
+    k = torch.cat([s[5][s[1] :] for s in seqs])
+    v = torch.cat([s[6][s[1] :] for s in seqs])
+    slot_mapping = torch.cat([s[7][s[1] :] for s in seqs])
     meta = PagedAttentionMetadata(slot_mapping, buckets, spans)
     out = paged_attention(q, k, v, k_cache, v_cache, meta)
-    expected = torch.cat([_dense(s[4], s[5], s[6])[s[1]:] for s in seqs])
+    expected = torch.cat([_dense(s[4], s[5], s[6])[s[1] :] for s in seqs])
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # the new tokens were written into their slots
     torch.testing.assert_close(k_cache.view(-1, g, d)[slot_mapping], k)
 
 
-@pytest.mark.parametrize("h, g, d, bs, scale", [(8, 4, 64, 16, 1.0), (6, 6, 16, 4, 1.0), (12, 2, 32, 8, 1.0),
-                                                (4, 2, 128, 16, 1.0), (4, 1, 48, 8, 1.0), (4, 2, 24, 4, 1.0),
-                                                (8, 4, 64, 16, 25.0)])
+@pytest.mark.parametrize(
+    "h, g, d, bs, scale",
+    [
+        (8, 4, 64, 16, 1.0),
+        (6, 6, 16, 4, 1.0),
+        (12, 2, 32, 8, 1.0),
+        (4, 2, 128, 16, 1.0),
+        (4, 1, 48, 8, 1.0),
+        (4, 2, 24, 4, 1.0),
+        (8, 4, 64, 16, 25.0),
+    ],
+)
 def test_fused_decode_kernel_matches_dense(h, g, d, bs, scale):
     """The C kernel alone, over many sequences (several threads' shares), MHA and GQA, long and 1-token contexts;
     head dims 64 and 128 (specialised vector code), 16/32/48 (vector code) and 24 (scalar code); ``scale`` makes

@@ -98,8 +98,15 @@ def test_can_allocate_reports_never_for_oversized():
     assert bm.can_allocate([list(range(16))]) == AllocStatus.LATER
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "fork", "free", "swap_out", "swap_in", "commit"]),
-                         st.integers(0, 7), st.integers(1, 12)), min_size=1, max_size=60)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "append", "fork", "free", "swap_out", "swap_in", "commit"]),
+        st.integers(0, 7),
+        st.integers(1, 12),
+    ),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)

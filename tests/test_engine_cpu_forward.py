@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spinwheel.engine import LLM, SamplingParams
-from spinwheel.engine import cpu_forward, cpu_kernels, model_runner
+from spinwheel.engine import LLM, SamplingParams, cpu_forward, cpu_kernels, model_runner
 from spinwheel.models import ModelConfig, Transformer
 from spinwheel.models.transformer import RMSNorm, apply_rope
 
@@ -34,8 +33,9 @@ def test_rms_norm_kernel_matches_module():
         with torch.no_grad():
             norm.weight.normal_()
         x = torch.randn(n, c) * 3
-        torch.testing.assert_close(cpu_kernels.rms_norm(x, norm.weight.detach(), norm.eps), norm(x).detach(),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            cpu_kernels.rms_norm(x, norm.weight.detach(), norm.eps), norm(x).detach(), rtol=1e-6, atol=1e-6
+        )
     with pytest.raises(ValueError, match="weight shape"):
         cpu_kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="contiguous float32"):
@@ -91,8 +91,16 @@ VARIANTS = {
 
 
 def _model(**kw) -> Transformer:
-    base = dict(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None)
+    base = dict(
+        vocab_size=120,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+    )
     base.update(kw)
     m = Transformer(ModelConfig(**base)).init_weights(seed=3, std=0.15)
     with torch.no_grad():  # non-trivial norms and biases, so every parameter shapes the output
@@ -118,16 +126,24 @@ def test_packed_forward_matches_model_forward(name, kernels, monkeypatch):
     m = _model(**VARIANTS[name])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 120, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 3)]
-    fast = LLM(m, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)  # chunked prefill + decodes mixed in one step
+    fast = LLM(
+        m, block_size=4, max_num_batched_tokens=32, max_num_seqs=8
+    )  # chunked prefill + decodes mixed in one step
     assert fast.engine.runner.packed is not None and fast.engine.runner.fused_decode == kernels
-    ref = LLM(m, block_size=4, max_num_batched_tokens=32, max_num_seqs=8, cpu_packed_weights=False)  # the model's own forward
+    ref = LLM(
+        m, block_size=4, max_num_batched_tokens=32, max_num_seqs=8, cpu_packed_weights=False
+    )  # the model's own forward
     assert ref.engine.runner.packed is None
     ids_fast, lp_fast = _run(fast, prompts)
     ids_ref, lp_ref = _run(ref, prompts)
     assert ids_fast == ids_ref
     for a, b in zip(lp_fast, lp_ref):
-        torch.testing.assert_close(torch.tensor([list(d.values())[0] for d in a]),
-                                   torch.tensor([list(d.values())[0] for d in b]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor([list(d.values())[0] for d in a]),
+            torch.tensor([list(d.values())[0] for d in b]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 def test_packed_weights_follow_in_place_updates():
@@ -144,8 +160,12 @@ def test_packed_weights_follow_in_place_updates():
         for p, q in zip(m.parameters(), other.parameters()):
             p.copy_(q)  # in place, no update_weights call
     after = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
-    expect = LLM(other, block_size=4, cpu_packed_weights=False).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    expect = (
+        LLM(other, block_size=4, cpu_packed_weights=False)
+        .generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert after == expect and after != before
     # nothing changed since: no repacking
     assert llm.engine.runner.packed.refresh() == 0

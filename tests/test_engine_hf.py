@@ -3,7 +3,6 @@ greedy (plain, forced preemption by recompute and by swap, chunked prefill, pref
 
 import pytest
 import torch
-
 import transformers  # the reference implementation (a test dependency)
 
 from spinwheel.engine import LLM, SamplingParams  # noqa: E402
@@ -16,9 +15,18 @@ MAX_NEW = 20
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # a larger init spreads the next-token distribution away from near-ties
         for p in hf.parameters():
@@ -37,9 +45,15 @@ def prompts():
 
 
 def _hf_greedy(hf, prompt, max_new=MAX_NEW):
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +73,9 @@ CONFIGS = {
     "recompute": dict(block_size=4, num_kv_blocks=24, preemption_mode="recompute"),
     "swap": dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", num_cpu_blocks=64),
     "chunked": dict(block_size=8, max_num_batched_tokens=16, max_num_seqs=6),
-    "no_prefix_no_chunk": dict(enable_prefix_caching=False, enable_chunked_prefill=False,
-                               max_num_batched_tokens=256, max_model_len=256),
+    "no_prefix_no_chunk": dict(
+        enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=256
+    ),
 }
 
 
@@ -114,20 +129,34 @@ def test_greedy_with_prefix_caching_matches_hf(checkpoint):
 
 
 def _hf_beams(hf, prompt, k, max_new, **kw):
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=max_new, do_sample=False, num_beams=k, num_return_sequences=k,
-                      eos_token_id=kw.pop("eos"), pad_token_id=0, return_dict_in_generate=True, output_scores=True,
-                      **kw)
-    return out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()
+    out = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+        num_beams=k,
+        num_return_sequences=k,
+        eos_token_id=kw.pop("eos"),
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kw,
+    )
+    return out.sequences[:, len(prompt) :].tolist(), out.sequences_scores.tolist()
 
 
 def _trim(ids, eos):
-    return ids[:ids.index(eos) + 1] if eos in ids else ids
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-@pytest.mark.parametrize("kw", [dict(length_penalty=1.0, early_stopping=False),
-                                dict(length_penalty=0.5, early_stopping=True),
-                                dict(length_penalty=2.0, early_stopping="never")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(length_penalty=1.0, early_stopping=False),
+        dict(length_penalty=0.5, early_stopping=True),
+        dict(length_penalty=2.0, early_stopping="never"),
+    ],
+)
 def test_beam_search_matches_hf(checkpoint, prompts, hf_greedy, kw):
     path, hf = checkpoint
     # make EOS a token the model actually likes, so hypotheses finish at different lengths
@@ -154,8 +183,10 @@ def test_beam_search_matches_hf(checkpoint, prompts, hf_greedy, kw):
 def test_request_that_can_never_fit_finishes_with_error(checkpoint):
     path, _ = checkpoint
     llm = LLM(str(path), block_size=4, num_kv_blocks=8, max_model_len=128)
-    outs = llm.generate([[5] * 20, [5] * 100, [6] * 4],
-                        [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40), SamplingParams(max_tokens=4)])
+    outs = llm.generate(
+        [[5] * 20, [5] * 100, [6] * 4],
+        [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40), SamplingParams(max_tokens=4)],
+    )
     assert outs[0].outputs[0].finish_reason == "error" and "KV pool" in outs[0].error
     assert outs[1].outputs[0].finish_reason == "error" and "context" in outs[1].error
     assert outs[2].outputs[0].finish_reason == "length" and len(outs[2].outputs[0].token_ids) == 4

@@ -3,14 +3,22 @@
 import pytest
 import torch
 
-from spinwheel.engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.models import ModelConfig, Tokenizer, Transformer
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2)
+    cfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+    )
     return Transformer(cfg).init_weights(seed=0, std=0.1)
 
 
@@ -44,8 +52,10 @@ def test_parallel_samples_share_prompt_blocks_and_are_seed_reproducible(model):
     # same seed -> same samples, whether alone or in a batch with other requests
     llm = LLM(model)
     alone = llm.generate([prompt], params)[0]
-    mixed = llm.generate([list(range(40, 70)), prompt, [5, 6]],
-                         [SamplingParams(n=3, temperature=0.8), params, SamplingParams(temperature=1.0)])[1]
+    mixed = llm.generate(
+        [list(range(40, 70)), prompt, [5, 6]],
+        [SamplingParams(n=3, temperature=0.8), params, SamplingParams(temperature=1.0)],
+    )[1]
     assert [o.token_ids for o in alone.outputs] == first == [o.token_ids for o in mixed.outputs]
 
 
@@ -61,8 +71,9 @@ def test_logprobs_and_prompt_logprobs_match_dense_model(model):
         assert len(comp.logprobs[i]) == 3  # greedy token is the top-1
         top = ref.topk(3).indices.tolist()
         assert sorted(comp.logprobs[i]) == sorted(top)
-    assert comp.cumulative_logprob == pytest.approx(sum(float(lp[len(prompt) - 1 + i][t])
-                                                        for i, t in enumerate(comp.token_ids)), abs=1e-4)
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(float(lp[len(prompt) - 1 + i][t]) for i, t in enumerate(comp.token_ids)), abs=1e-4
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for pos in range(1, len(prompt)):
         assert out.prompt_logprobs[pos][prompt[pos]] == pytest.approx(float(lp[pos - 1][prompt[pos]]), abs=1e-5)
@@ -72,16 +83,27 @@ def test_truncation_and_penalties(model):
     llm = LLM(model)
     prompt = [20, 21, 22, 23]
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
-    for p in (SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=1),
-              SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, seed=1),
-              SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8, seed=1)):
+    for p in (
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=1),
+        SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, seed=1),
+        SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8, seed=1),
+    ):
         assert llm.generate([prompt], p)[0].outputs[0].token_ids == greedy
     # a huge frequency/presence penalty forbids repeats among the outputs
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, presence_penalty=2.0,
-                                                frequency_penalty=2.0, ignore_eos=True))[0].outputs[0].token_ids
+    out = (
+        llm.generate(
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=12, presence_penalty=2.0, frequency_penalty=2.0, ignore_eos=True),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len(out) == 12
-    rep = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1e4,
-                                                ignore_eos=True))[0].outputs[0].token_ids
+    rep = (
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1e4, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len(set(rep)) == len(rep) and not set(rep) & set(prompt)
 
 
@@ -93,9 +115,14 @@ def test_tiny_temperatures_sample_greedily(model, temperature):
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     tiny = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)
     # alone, with a seed, and batched with a row sampled at temperature 1
-    outs = llm.generate([prompt, prompt, [5, 6, 7]], [tiny, SamplingParams(temperature=temperature, seed=3,
-                                                                           max_tokens=8, ignore_eos=True),
-                                                      SamplingParams(temperature=1.0, max_tokens=8, seed=1)])
+    outs = llm.generate(
+        [prompt, prompt, [5, 6, 7]],
+        [
+            tiny,
+            SamplingParams(temperature=temperature, seed=3, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=1.0, max_tokens=8, seed=1),
+        ],
+    )
     for out in outs[:2]:
         assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
         assert out.outputs[0].cumulative_logprob == pytest.approx(greedy.outputs[0].cumulative_logprob, abs=1e-5)
@@ -109,9 +136,10 @@ def test_stops_min_tokens_and_ignore_eos(model):
     assert len(free.token_ids) == 16 and free.finish_reason == "length"
     stop_tok = free.token_ids[3]
     first = free.token_ids.index(stop_tok)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_tok],
-                                                ignore_eos=True))[0].outputs[0]
-    assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_tok], ignore_eos=True)
+    )[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
     assert out.stop_reason == stop_tok
     # EOS is masked until min_tokens are out
     model.config.eos_token_id = free.token_ids[0]
@@ -127,15 +155,22 @@ def test_stops_min_tokens_and_ignore_eos(model):
 
 def test_text_prompts_stop_strings_and_streaming_abort():
     tok = Tokenizer.char_level()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = Transformer(cfg).init_weights(seed=3, std=0.1)
     llm = LLM(model, tokenizer=tok)
     free = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
     assert free.text == tok.decode(free.token_ids)
     stop = free.text[4:6]
     cut = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))[0]
-    assert cut.outputs[0].text == free.text[:free.text.find(stop)]
+    assert cut.outputs[0].text == free.text[: free.text.find(stop)]
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     # streaming: outputs grow one token per step; aborting frees every block
     engine = llm.engine
@@ -183,21 +218,36 @@ def test_update_weights_invalidates_prefix_cache_and_shared_model_still_trains(m
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_requests = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from(["greedy", "n3", "beam2"]),
-                               st.integers(0, 6)), min_size=1, max_size=8)
+_requests = st.lists(
+    st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from(["greedy", "n3", "beam2"]), st.integers(0, 6)),
+    min_size=1,
+    max_size=8,
+)
 
 
 @settings(max_examples=12, deadline=None)
 @given(reqs=_requests, mode=st.sampled_from(["recompute", "swap"]), prefix=st.booleans())
 def test_engine_accounting_under_random_requests_preemption_and_aborts(model, reqs, mode, prefix):
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=20, num_cpu_blocks=12,
-                                                 preemption_mode=mode, enable_prefix_caching=prefix,
-                                                 max_num_batched_tokens=24, max_num_seqs=8))
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=4,
+            num_kv_blocks=20,
+            num_cpu_blocks=12,
+            preemption_mode=mode,
+            enable_prefix_caching=prefix,
+            max_num_batched_tokens=24,
+            max_num_seqs=8,
+        ),
+    )
     aborts = {}
     for i, (plen, max_tokens, kind, abort_at) in enumerate(reqs):
-        params = {"greedy": SamplingParams(temperature=0, max_tokens=max_tokens),
-                  "n3": SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=max_tokens),
-                  "beam2": SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=max_tokens)}[kind]
+        params = {
+            "greedy": SamplingParams(temperature=0, max_tokens=max_tokens),
+            "n3": SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=max_tokens),
+            "beam2": SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=max_tokens),
+        }[kind]
         engine.add_request(str(i), [(7 * i + j) % 50 + 3 for j in range(plen)], params)
         if abort_at:
             aborts[str(i)] = abort_at

@@ -15,8 +15,16 @@ from spinwheel.models import ModelConfig, Transformer
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=320, eos_token_id=2)
+    cfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=320,
+        eos_token_id=2,
+    )
     return Transformer(cfg).init_weights(seed=0, std=0.1)
 
 
@@ -76,15 +84,27 @@ def test_groups_preempted_by_recompute_refork_and_finish(model, mode, budget, ki
     # two n = 4 requests of 100-token prompts on a 20-block pool: each fits alone (7 shared prompt blocks + one or
     # two own blocks per sample), both together do not; re-admitting a recomputed group as 4 separate 100+-token
     # sequences (28+ blocks) failed with "no longer fit". Swap mode with a 4-block CPU pool falls back to recompute.
-    params = {"greedy_n4": _greedy(28, n=4),
-              "seeded_n4": SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=28, ignore_eos=True),
-              "beam4": SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=20)}[kind]
+    params = {
+        "greedy_n4": _greedy(28, n=4),
+        "seeded_n4": SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=28, ignore_eos=True),
+        "beam4": SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=20),
+    }[kind]
     prompts = [_prompt(1, 100), _prompt(2, 100)]
     # no prefix cache: the shared prompt really is recomputed once (by one sequence, for all four); with a small
     # step budget over several steps, while the other three wait for it
-    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_kv_blocks=20, num_cpu_blocks=4,
-                                                 preemption_mode=mode, enable_prefix_caching=False,
-                                                 max_num_batched_tokens=budget, max_num_seqs=8))
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=16,
+            num_kv_blocks=20,
+            num_cpu_blocks=4,
+            preemption_mode=mode,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=budget,
+            max_num_seqs=8,
+        ),
+    )
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     finished = _drain(engine)
@@ -120,13 +140,18 @@ def _groups(queue) -> dict[str, float]:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_latest_arrived_group_evicted_first_and_whole(model, mode):
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=24, num_cpu_blocks=64,
-                                                 preemption_mode=mode))
+    engine = LLMEngine(
+        model, None, EngineConfig(block_size=4, num_kv_blocks=24, num_cpu_blocks=64, preemption_mode=mode)
+    )
     now = time.monotonic()
     # arrival times out of add order: eviction follows arrival, not admission
     for i, (n, arrival) in enumerate([(1, now + 3), (3, now + 1), (1, now + 4), (2, now + 2)]):
-        engine.add_request(f"r{i}", _prompt(i, 9), SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=24,
-                                                                   ignore_eos=True), arrival_time=arrival)
+        engine.add_request(
+            f"r{i}",
+            _prompt(i, 9),
+            SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=24, ignore_eos=True),
+            arrival_time=arrival,
+        )
     sch = engine.scheduler
     evictions = []
 
@@ -158,8 +183,9 @@ def test_latest_arrived_group_evicted_first_and_whole(model, mode):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_no_admission_while_preempted_groups_wait_then_admission_resumes(model, mode):
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=16, num_cpu_blocks=64,
-                                                 preemption_mode=mode))
+    engine = LLMEngine(
+        model, None, EngineConfig(block_size=4, num_kv_blocks=16, num_cpu_blocks=64, preemption_mode=mode)
+    )
     engine.add_request("old", _prompt(1, 10), _greedy(30))
     engine.add_request("mid", _prompt(2, 10), _greedy(30))
     sch = engine.scheduler
@@ -181,8 +207,7 @@ def test_no_admission_while_preempted_groups_wait_then_admission_resumes(model, 
 
 
 def test_request_that_can_never_fit_is_rejected_at_once(model):
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=8, max_num_seqs=4,
-                                                 max_model_len=64))
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=8, max_num_seqs=4, max_model_len=64))
     engine.add_request("pool", _prompt(1, 20), _greedy(20))  # 10 blocks > 8
     engine.add_request("context", _prompt(2, 50), _greedy(20))  # 70 tokens > 64
     engine.add_request("width", _prompt(3, 4), _greedy(4, n=5))  # 5 samples > max_num_seqs
@@ -198,10 +223,14 @@ def test_request_that_can_never_fit_is_rejected_at_once(model):
 def _worst_blocks(prompt_len: int, max_tokens: int, width: int, block_size: int) -> int:
     """Blocks a request can hold at most: the shared prompt blocks, and per sequence its own blocks past the prompt
     plus a copy of the prompt's last block (hand-written from the paper's sharing scheme)."""
+
     def blocks(t):
         return -(-t // block_size)
-    return min(blocks(prompt_len) + width * (blocks(prompt_len + max_tokens) - blocks(prompt_len) + 1),
-               width * blocks(prompt_len + max_tokens))
+
+    return min(
+        blocks(prompt_len) + width * (blocks(prompt_len + max_tokens) - blocks(prompt_len) + 1),
+        width * blocks(prompt_len + max_tokens),
+    )
 
 
 def _check_against_dense_model(model, out, argmax: bool) -> None:
@@ -211,46 +240,85 @@ def _check_against_dense_model(model, out, argmax: bool) -> None:
         ids = out.prompt_token_ids + comp.token_ids
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.tensor([ids]), attn_metadata=None)[0].float(), dim=-1)
-        rows = lp[len(out.prompt_token_ids) - 1:-1]  # (generated, V): row i predicts generated token i
+        rows = lp[len(out.prompt_token_ids) - 1 : -1]  # (generated, V): row i predicts generated token i
         chosen = rows.gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0]
         assert comp.cumulative_logprob == pytest.approx(float(chosen.sum()), abs=1e-3)
         if argmax:
             assert bool((chosen >= rows.max(dim=-1).values - 1e-4).all())
 
 
-_request = st.tuples(st.integers(1, 40), st.integers(1, 20), st.sampled_from(["greedy", "sample", "beam"]),
-                     st.integers(1, 3), st.integers(0, 4))
+_request = st.tuples(
+    st.integers(1, 40),
+    st.integers(1, 20),
+    st.sampled_from(["greedy", "sample", "beam"]),
+    st.integers(1, 3),
+    st.integers(0, 4),
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # found by longer runs: a swapped beam group whose beams pair-share their last blocks (a copy counted per writer
 # asked for more blocks than the empty pool has), and a recomputed n = 3 group without chunked prefill (its three
 # prefills together exceeded the step budget, so it was never admitted again)
-@example(reqs=[(1, 1, "greedy", 1, 0), (33, 5, "beam", 3, 0), (1, 1, "greedy", 1, 0), (25, 8, "greedy", 3, 0)],
-         mode="swap", block_size=8, slack=-1, num_cpu_blocks=6, prefix=False, budget=8)
-@example(reqs=[(1, 1, "greedy", 1, 0), (1, 1, "greedy", 1, 0), (1, 10, "greedy", 1, 0), (38, 10, "sample", 3, 0)],
-         mode="recompute", block_size=1, slack=0, num_cpu_blocks=0, prefix=False, budget=None)
-@given(reqs=st.lists(_request, min_size=1, max_size=6), mode=st.sampled_from(["recompute", "swap"]),
-       block_size=st.sampled_from([1, 2, 4, 8]), slack=st.integers(-2, 8), num_cpu_blocks=st.integers(0, 24),
-       prefix=st.booleans(), budget=st.sampled_from([8, 24, None]))
-def test_every_request_is_rejected_at_once_or_finishes(model, reqs, mode, block_size, slack, num_cpu_blocks,
-                                                       prefix, budget):
+@example(
+    reqs=[(1, 1, "greedy", 1, 0), (33, 5, "beam", 3, 0), (1, 1, "greedy", 1, 0), (25, 8, "greedy", 3, 0)],
+    mode="swap",
+    block_size=8,
+    slack=-1,
+    num_cpu_blocks=6,
+    prefix=False,
+    budget=8,
+)
+@example(
+    reqs=[(1, 1, "greedy", 1, 0), (1, 1, "greedy", 1, 0), (1, 10, "greedy", 1, 0), (38, 10, "sample", 3, 0)],
+    mode="recompute",
+    block_size=1,
+    slack=0,
+    num_cpu_blocks=0,
+    prefix=False,
+    budget=None,
+)
+@given(
+    reqs=st.lists(_request, min_size=1, max_size=6),
+    mode=st.sampled_from(["recompute", "swap"]),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    slack=st.integers(-2, 8),
+    num_cpu_blocks=st.integers(0, 24),
+    prefix=st.booleans(),
+    budget=st.sampled_from([8, 24, None]),
+)
+def test_every_request_is_rejected_at_once_or_finishes(
+    model, reqs, mode, block_size, slack, num_cpu_blocks, prefix, budget
+):
     chunked = budget is not None  # without chunked prefill the budget must hold the longest prompt
     budget = budget or 64
     workload = []
     for i, (plen, max_tokens, kind, n, arrives_at) in enumerate(reqs):
-        params = {"greedy": SamplingParams(n=n, temperature=0, max_tokens=max_tokens),
-                  "sample": SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=max_tokens),
-                  "beam": SamplingParams(n=n + 1, use_beam_search=True, temperature=0, max_tokens=max_tokens)}[kind]
+        params = {
+            "greedy": SamplingParams(n=n, temperature=0, max_tokens=max_tokens),
+            "sample": SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=max_tokens),
+            "beam": SamplingParams(n=n + 1, use_beam_search=True, temperature=0, max_tokens=max_tokens),
+        }[kind]
         workload.append((str(i), _prompt(i, plen), params, arrives_at))
     worst = {rid: _worst_blocks(len(p), params.max_tokens, params.n, block_size) for rid, p, params, _ in workload}
     # a pool about the size of the largest request: the requests contend, and with negative slack some never fit
     num_blocks = max(1, max(worst.values()) + slack)
     fits = {rid: w <= num_blocks for rid, w in worst.items()}
-    engine = LLMEngine(model, None, EngineConfig(
-        block_size=block_size, num_kv_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, preemption_mode=mode,
-        enable_prefix_caching=prefix, enable_chunked_prefill=chunked, max_num_batched_tokens=budget,
-        max_num_seqs=6, max_model_len=64))
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=block_size,
+            num_kv_blocks=num_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            preemption_mode=mode,
+            enable_prefix_caching=prefix,
+            enable_chunked_prefill=chunked,
+            max_num_batched_tokens=budget,
+            max_num_seqs=6,
+            max_model_len=64,
+        ),
+    )
     # the most steps a legitimate run can go without a token: prefilling (or recomputing) a pool's worth of
     # tokens under the step budget, plus a step of swapping
     bound = -(-num_blocks * block_size // budget) + 3

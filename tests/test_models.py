@@ -4,22 +4,35 @@ import json
 
 import pytest
 import torch
-
 import transformers  # the reference implementation (a test dependency)
 
 import spinwheel
 from spinwheel.models import CheckpointError, ConfigError, ModelConfig, Transformer, save_pretrained, token_logprobs
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 16}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 CASES = {
-    "llama-gqa-untied-llama3rope": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2,
-                                                                           rope_scaling=LLAMA3_SCALING)),
-    "llama-mha-tied-bias": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True,
-                                                                   attention_bias=True, mlp_bias=True)),
-    "llama-linear-rope-theta": ("LlamaConfig", "LlamaForCausalLM", dict(
-        num_key_value_heads=1, rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-gqa-untied-llama3rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_key_value_heads=2, rope_scaling=LLAMA3_SCALING),
+    ),
+    "llama-mha-tied-bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    ),
+    "llama-linear-rope-theta": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_key_value_heads=1, rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
     "qwen2-gqa-untied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
     "qwen2-mha-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen3-gqa-headdim": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
@@ -28,8 +41,15 @@ CASES = {
 
 def _hf_model(case: str):
     cfg_name, model_name, kwargs = CASES[case]
-    config = getattr(transformers, cfg_name)(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                             num_attention_heads=4, max_position_embeddings=128, **kwargs)
+    config = getattr(transformers, cfg_name)(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **kwargs,
+    )
     torch.manual_seed(1)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0; randomise everything so all of it is tested
@@ -127,15 +147,28 @@ def test_load_dtype_and_presets():
 
 
 def test_num_params_matches_module_for_all_variants():
-    for kw in (dict(), dict(attention_bias=True, mlp_bias=True), dict(qk_norm=True, model_type="qwen3"),
-               dict(tie_word_embeddings=True), dict(attention_bias=True, model_type="qwen2")):
-        cfg = ModelConfig(vocab_size=17, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, **kw)
+    for kw in (
+        dict(),
+        dict(attention_bias=True, mlp_bias=True),
+        dict(qk_norm=True, model_type="qwen3"),
+        dict(tie_word_embeddings=True),
+        dict(attention_bias=True, model_type="qwen2"),
+    ):
+        cfg = ModelConfig(
+            vocab_size=17,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **kw,
+        )
         m = Transformer(cfg)
         assert cfg.num_params == sum(p.numel() for p in set(m.parameters()))
 
 
 # ---- bad input: one-line errors naming the problem ----
+
 
 def _saved(tmp_path):
     model = spinwheel.load_model("test", vocab_size=50)
@@ -214,15 +247,25 @@ def _right_padded(vocab: int, pad: int) -> torch.Tensor:
 def test_reward_model_scores_match_transformers(model_type, tmp_path):
     """Our saved RM loads as AutoModelForSequenceClassification and scores each row as our values at its last
     non-pad token; a HF-made classifier loads back into ours with the same scores."""
-    config = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, model_type=model_type,
-                         attention_bias=model_type == "qwen2", pad_token_id=0, num_labels=1)
+    config = ModelConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        model_type=model_type,
+        attention_bias=model_type == "qwen2",
+        pad_token_id=0,
+        num_labels=1,
+    )
     ours = Transformer(config).init_weights(seed=2, std=0.3)
     save_pretrained(ours, tmp_path / "rm")
     saved = json.loads((tmp_path / "rm" / "config.json").read_text())
     assert saved["architectures"] == [f"{'Llama' if model_type == 'llama' else 'Qwen2'}ForSequenceClassification"]
     assert saved["id2label"] == {"0": "LABEL_0"}
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "rm" / "model.safetensors"), framework="pt") as sf:
         assert "score.weight" in sf.keys() and "lm_head.weight" not in sf.keys()
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
@@ -250,7 +293,7 @@ def test_scalar_head_model_copies_the_body():
     assert json.dumps(lm.config.to_hf_dict(), sort_keys=True) == lm_config  # the LM is untouched
     assert rm.config.num_labels == 1 and not rm.config.tie_word_embeddings
     assert rm.lm_head.weight.shape == (1, 32)
-    assert rm.lm_head.weight.std().item() < 2 / 33 ** 0.5
+    assert rm.lm_head.weight.std().item() < 2 / 33**0.5
     ids = torch.randint(0, 50, (2, 6))
     with torch.no_grad():
         torch.testing.assert_close(rm(ids, return_hidden=True), lm(ids, return_hidden=True), rtol=0, atol=0)
@@ -265,8 +308,15 @@ def test_bad_scalar_head_configs(tmp_path):
         ModelConfig(num_labels=3)
     with pytest.raises(ConfigError, match="cannot tie its score head"):
         ModelConfig(num_labels=1, tie_word_embeddings=True)
-    hf_config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                         num_attention_heads=4, num_labels=3, pad_token_id=0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_labels=3,
+        pad_token_id=0,
+    )
     transformers.LlamaForSequenceClassification(hf_config).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="config.json: config key 'num_labels' must be 1.*got 3"):
         spinwheel.load_model(tmp_path)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_parallel_fidelity import RTOL, batches, make_model, optimizer_factory, reference, rel_err
 
 from spinwheel.models.hf import load_model
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
-
-from test_parallel_fidelity import RTOL, batches, make_model, optimizer_factory, reference, rel_err
 
 LAYOUTS = [
     ("dp2xtp2-fsdp", dict(dp=2, tp=2, fsdp=True)),
@@ -30,8 +29,9 @@ def resume_and_consolidate(rank: int, world_size: int, root: str, refs: dict) ->
         first = ParallelTrainer(make_model(tied), optimizer_factory, config)
         losses = [first.step(*b) for b in data[:5]]
         first.save(f"{root}/{name}/sharded")
-        second = ParallelTrainer(make_model(tied).init_weights(seed=99), optimizer_factory,
-                                 config)  # different weights: everything must come from the checkpoint
+        second = ParallelTrainer(
+            make_model(tied).init_weights(seed=99), optimizer_factory, config
+        )  # different weights: everything must come from the checkpoint
         second.load(f"{root}/{name}/sharded")
         losses += [second.step(*b) for b in data[5:]]
         second.save_hf(f"{root}/{name}/hf")
@@ -60,6 +60,7 @@ def test_resume_on_another_layout_is_refused(tmp_path):
     trainer = ParallelTrainer(make_model(False), optimizer_factory, ParallelConfig())
     trainer.save(str(tmp_path))
     import json
+
     layout = json.loads((tmp_path / "layout.json").read_text())
     state = torch.load(tmp_path / "rank00000.pt", weights_only=False)
     state["layout"] = {**layout, "tp": 2}

@@ -94,8 +94,14 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[str, dict]], ref
         kwargs = dict(kwargs)
         tied, clip = kwargs.pop("tied", False), kwargs.pop("clip", False)
         if clip:
-            trainer = ParallelTrainer(make_model(tied), clip_optimizer_factory, ParallelConfig(**kwargs),
-                                      max_grad_norm=MAX_NORM, weight_decay=WEIGHT_DECAY, decays=decays)
+            trainer = ParallelTrainer(
+                make_model(tied),
+                clip_optimizer_factory,
+                ParallelConfig(**kwargs),
+                max_grad_norm=MAX_NORM,
+                weight_decay=WEIGHT_DECAY,
+                decays=decays,
+            )
         else:
             trainer = ParallelTrainer(make_model(tied), optimizer_factory, ParallelConfig(**kwargs))
         losses, norms = [], []
@@ -183,8 +189,9 @@ def _check(results: list[dict], layouts) -> None:
         for rank, res in enumerate(results):
             loss_err, param_err, missing = res[name]
             if loss_err > RTOL or param_err > RTOL or missing:
-                failures.append(f"{name} rank {rank}: loss rel err {loss_err:.2e}, param rel err {param_err:.2e}, "
-                                f"missing {missing}")
+                failures.append(
+                    f"{name} rank {rank}: loss rel err {loss_err:.2e}, param rel err {param_err:.2e}, missing {missing}"
+                )
     assert not failures, "\n".join(failures)
 
 
@@ -195,7 +202,12 @@ def test_layouts_match_single_process(world_size, layouts, refs):
 
 
 def test_world_size_one_is_the_same_code_path(refs):
-    layouts = [("ddp", dict()), ("zero2", dict(zero=2)), ("fsdp-remat", dict(fsdp=True, remat=True)),
-               ("accum", dict(microbatches=4)), ("zero1-clip", dict(zero=1, clip=True)),
-               ("fsdp-tied-clip", dict(fsdp=True, tied=True, clip=True))]
+    layouts = [
+        ("ddp", dict()),
+        ("zero2", dict(zero=2)),
+        ("fsdp-remat", dict(fsdp=True, remat=True)),
+        ("accum", dict(microbatches=4)),
+        ("zero1-clip", dict(zero=1, clip=True)),
+        ("fsdp-tied-clip", dict(fsdp=True, tied=True, clip=True)),
+    ]
     _check([run_layouts(0, 1, layouts, refs)], layouts)

@@ -62,8 +62,14 @@ def _collectives(rank: int, world_size: int) -> dict:
     comm.reduce_scatter(shard, torch.arange(6.0), dims.tp_axis)
     full = torch.empty(6)
     comm.all_gather(full, shard, dims.tp_axis)
-    return dict(reduced=x.tolist(), shard=shard.tolist(), full=full.tolist(), tp_ranks=dims.tp_axis.ranks,
-                dp_ranks=dims.dp_axis.ranks, elements=dict(stats.elements))
+    return dict(
+        reduced=x.tolist(),
+        shard=shard.tolist(),
+        full=full.tolist(),
+        tp_ranks=dims.tp_axis.ranks,
+        dp_ranks=dims.dp_axis.ranks,
+        elements=dict(stats.elements),
+    )
 
 
 def test_collectives_and_counters_on_four_ranks():

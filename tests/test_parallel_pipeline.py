@@ -54,8 +54,7 @@ def measure_bubbles(rank: int, world_size: int) -> dict:
     warmup.step([torch.randn(2, 3)], lambda y, i: y.sum())  # gloo connects peers lazily: keep that out of timing
     for schedule in ("gpipe", "1f1b"):
         for m in (1, 2, 4, 8):
-            sched = PipelineSchedule(stage, dims.pp_axis, dims.comm, schedule, hidden_size=HIDDEN,
-                                     dtype=torch.float32)
+            sched = PipelineSchedule(stage, dims.pp_axis, dims.comm, schedule, hidden_size=HIDDEN, dtype=torch.float32)
             mbs = [torch.randn(2, 3) for _ in range(m)]
             dims.comm.barrier(dims.pp_axis)
             sched.step(mbs, lambda y, i: y.sum())

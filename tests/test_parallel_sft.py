@@ -11,22 +11,61 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import spinwheel
 from spinwheel.cli import main
 from spinwheel.train.metrics import read_metrics
 
 RTOL = 1e-5
-ARGS = ["--model", "test", "--steps", "6", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2",
-        "--grad-clip", "0.5", "--eval-every", "3", "--eval-examples", "4", "--max-new-tokens", "3", "--save-every",
-        "2", "--task-num-digits", "1", "--task-num-train", "40", "--task-num-test", "6", "--no-progress",
-        "--num-threads", "1"]
+ARGS = [
+    "--model",
+    "test",
+    "--steps",
+    "6",
+    "--batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--grad-clip",
+    "0.5",
+    "--eval-every",
+    "3",
+    "--eval-examples",
+    "4",
+    "--max-new-tokens",
+    "3",
+    "--save-every",
+    "2",
+    "--task-num-digits",
+    "1",
+    "--task-num-train",
+    "40",
+    "--task-num-test",
+    "6",
+    "--no-progress",
+    "--num-threads",
+    "1",
+]
 
 
 def torchrun(out_dir, *options: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "spinwheel.cli", "sft", *ARGS, "--out-dir", str(out_dir), *options]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "spinwheel.cli",
+        "sft",
+        *ARGS,
+        "--out-dir",
+        str(out_dir),
+        *options,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

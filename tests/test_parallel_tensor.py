@@ -8,8 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from spinwheel.parallel import ParallelDims, spawn
-from spinwheel.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                       vocab_parallel_cross_entropy)
+from spinwheel.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 
 def _pieces(rank: int, world_size: int) -> dict:
@@ -44,10 +48,14 @@ def _pieces(rank: int, world_size: int) -> dict:
     out.sum().backward()
     ids = torch.randint(0, 10, (2, 5), generator=gen)
     emb_err = (VocabParallelEmbedding(emb, axis, comm)(ids) - emb(ids)).abs().max().item()
-    return dict(ce=ce_err, grad=grad_err, mlp=(out - ref_out).abs().max().item(),
-                x_grad=(xp.grad - x.grad).abs().max().item(),
-                w_grad=(col.weight.grad - up.weight.grad.chunk(2, dim=0)[axis.rank]).abs().max().item(),
-                emb=emb_err)
+    return dict(
+        ce=ce_err,
+        grad=grad_err,
+        mlp=(out - ref_out).abs().max().item(),
+        x_grad=(xp.grad - x.grad).abs().max().item(),
+        w_grad=(col.weight.grad - up.weight.grad.chunk(2, dim=0)[axis.rank]).abs().max().item(),
+        emb=emb_err,
+    )
 
 
 def test_tensor_parallel_pieces_match_dense():

@@ -29,10 +29,14 @@ def make_batch(step: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     lengths = torch.randint(3, SEQ + 1, (BATCH,), generator=gen)
     mask = (torch.arange(SEQ)[None] < lengths[:, None]).float()  # right-padded rows of uneven length
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "weights": mask / mask.sum(),
-            "advantages": torch.randn(BATCH, SEQ, generator=gen),
-            "old_logprobs": -4.2 + 0.3 * torch.randn(BATCH, SEQ, generator=gen),
-            "ref_logprobs": -4.2 + 0.3 * torch.randn(BATCH, SEQ, generator=gen)}
+    return {
+        "input_ids": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "weights": mask / mask.sum(),
+        "advantages": torch.randn(BATCH, SEQ, generator=gen),
+        "old_logprobs": -4.2 + 0.3 * torch.randn(BATCH, SEQ, generator=gen),
+        "ref_logprobs": -4.2 + 0.3 * torch.randn(BATCH, SEQ, generator=gen),
+    }
 
 
 def clipped_loss(out, batch):
@@ -44,8 +48,11 @@ def clipped_loss(out, batch):
     kl = log_r.exp() - log_r - 1
     loss = (w * (-surrogate + 0.1 * kl)).sum()
     clipped = ((ratio < 0.8) | (ratio > 1.28)).float()
-    return loss, {"clip_frac": (w * clipped).sum().detach(), "kl": (w * kl).sum().detach(),
-                  "entropy": (w * out.entropy).sum()}
+    return loss, {
+        "clip_frac": (w * clipped).sum().detach(),
+        "kl": (w * kl).sum().detach(),
+        "entropy": (w * out.entropy).sum(),
+    }
 
 
 def run(learner) -> dict:
@@ -57,8 +64,14 @@ def run(learner) -> dict:
         stats.append(r.stats)
         norms.append(r.grad_norm)
     after = learner.forward(make_batch(STEPS))
-    return {"logprobs": fwd["logprobs"], "entropy": fwd["entropy"], "losses": losses, "stats": stats,
-            "norms": norms, "after": after["logprobs"]}
+    return {
+        "logprobs": fwd["logprobs"],
+        "entropy": fwd["entropy"],
+        "losses": losses,
+        "stats": stats,
+        "norms": norms,
+        "after": after["logprobs"],
+    }
 
 
 def reference(tied: bool) -> dict:
@@ -75,18 +88,25 @@ def worker(rank: int, world_size: int, layouts: list[tuple[str, dict]], refs: di
     for name, kwargs in layouts:
         kwargs = dict(kwargs)
         tied = kwargs.pop("tied", False)
-        got, ref = run(ParallelLearner(make_model(tied), OPTIM, ParallelConfig(**kwargs), engine_copy="none")), \
-            refs[tied]
+        got, ref = (
+            run(ParallelLearner(make_model(tied), OPTIM, ParallelConfig(**kwargs), engine_copy="none")),
+            refs[tied],
+        )
         errs = [rel(got[k], ref[k]) for k in ("logprobs", "entropy", "losses", "norms", "after")]
         errs += [rel([s[k] for s in got["stats"]], [s[k] for s in ref["stats"]]) for k in ref["stats"][0]]
         errors[name] = max(errs)
     return errors
 
 
-LAYOUTS_2 = [("ddp-accum", dict(microbatches=2)), ("zero2", dict(zero=2)), ("zero3", dict(zero=3)),
-             ("fsdp-tied", dict(fsdp=True, tied=True)), ("tp2", dict(tp=2)),
-             ("pp2-1f1b-m2", dict(pp=2, microbatches=2)), ("pp2-gpipe-m4-tied", dict(pp=2, microbatches=4,
-                                                                                        schedule="gpipe", tied=True))]
+LAYOUTS_2 = [
+    ("ddp-accum", dict(microbatches=2)),
+    ("zero2", dict(zero=2)),
+    ("zero3", dict(zero=3)),
+    ("fsdp-tied", dict(fsdp=True, tied=True)),
+    ("tp2", dict(tp=2)),
+    ("pp2-1f1b-m2", dict(pp=2, microbatches=2)),
+    ("pp2-gpipe-m4-tied", dict(pp=2, microbatches=4, schedule="gpipe", tied=True)),
+]
 LAYOUTS_4 = [("dp2xtp2-fsdp", dict(dp=2, tp=2, fsdp=True)), ("tp2xpp2", dict(tp=2, pp=2, microbatches=2))]
 
 
@@ -108,8 +128,12 @@ def test_reference_outputs_are_the_formula():
 @pytest.mark.parametrize("world_size,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
 def test_pluggable_loss_and_forward_match_single_process(world_size, layouts, refs):
     results = spawn(worker, world_size, args=(layouts, refs), timeout_s=240)
-    bad = [f"{name} rank {r}: rel err {res[name]:.2e}" for r, res in enumerate(results) for name, _ in layouts
-           if not res[name] <= RTOL]
+    bad = [
+        f"{name} rank {r}: rel err {res[name]:.2e}"
+        for r, res in enumerate(results)
+        for name, _ in layouts
+        if not res[name] <= RTOL
+    ]
     assert not bad, "\n".join(bad)
     assert refs[False]["stats"][0]["clip_frac"] > 0 or refs[False]["stats"][-1]["clip_frac"] > 0
 

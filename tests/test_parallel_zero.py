@@ -16,8 +16,13 @@ from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
 from spinwheel.parallel.zero import memory_breakdown, zero_memory_formula
 
 WORLD = 4
-LAYOUTS = {"ddp": (0, dict()), "zero1": (1, dict(zero=1)), "zero2": (2, dict(zero=2)), "zero3": (3, dict(zero=3)),
-           "fsdp": (3, dict(fsdp=True))}
+LAYOUTS = {
+    "ddp": (0, dict()),
+    "zero1": (1, dict(zero=1)),
+    "zero2": (2, dict(zero=2)),
+    "zero3": (3, dict(zero=3)),
+    "fsdp": (3, dict(fsdp=True)),
+}
 MIXED = {"zero1-bf16": (1, dict(zero=1)), "zero2-bf16": (2, dict(zero=2))}
 
 

@@ -18,8 +18,7 @@ from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.rl.llm.pref_config import RMConfig
 from spinwheel.rl.llm.preference_data import answer_range, random_wrong_answer, tokenize_pair
-from spinwheel.rl.llm.reward_model import (RewardModelError, bradley_terry_pair_loss, reward_model_fn, rm_batch,
-                                           train_rm)
+from spinwheel.rl.llm.reward_model import RewardModelError, bradley_terry_pair_loss, reward_model_fn, rm_batch, train_rm
 from spinwheel.rl.preference import bradley_terry_loss
 from spinwheel.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from spinwheel.tasks.data import write_jsonl
@@ -41,8 +40,9 @@ def test_loss_through_learner_equals_formula():
                 scores.append(float(model(seq)[0, -1, 0]))
     r = torch.tensor(scores, dtype=torch.float64)
     want, stats = bradley_terry_loss(r[0::2], r[1::2])
-    result = LocalLearner(model, OptimConfig(lr=1e-3)).train_step(rm_batch(pairs, TOK.pad_id),
-                                                                  bradley_terry_pair_loss, 1e-3)
+    result = LocalLearner(model, OptimConfig(lr=1e-3)).train_step(
+        rm_batch(pairs, TOK.pad_id), bradley_terry_pair_loss, 1e-3
+    )
     assert result.loss == pytest.approx(float(want), rel=1e-5)
     assert result.stats["margin"] == pytest.approx(float(stats["margin"]), rel=1e-4)
     assert result.stats["accuracy"] == pytest.approx(float(stats["accuracy"]))
@@ -72,8 +72,18 @@ def _write_pairs(path, n: int = 24) -> None:
 
 
 def _config(tmp_path, out: str, **kw) -> RMConfig:
-    base = dict(model="test", data=str(tmp_path / "pairs.jsonl"), out_dir=str(tmp_path / out), steps=6,
-                batch_size=4, lr=3e-3, warmup_steps=0, eval_every=3, eval_fraction=0.25, progress=False)
+    base = dict(
+        model="test",
+        data=str(tmp_path / "pairs.jsonl"),
+        out_dir=str(tmp_path / out),
+        steps=6,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=0,
+        eval_every=3,
+        eval_fraction=0.25,
+        progress=False,
+    )
     return RMConfig(**{**base, **kw})
 
 
@@ -93,7 +103,7 @@ def test_short_run_learns_and_saves_an_hf_reward_model(tmp_path):
     ids = [TOK.encode(p) + TOK.encode(c, add_special_tokens=False) for p, c in zip(prompts, completions)]
     tokens = torch.full((3, max(map(len, ids))), TOK.pad_id)
     for i, s in enumerate(ids):
-        tokens[i, :len(s)] = torch.tensor(s)
+        tokens[i, : len(s)] = torch.tensor(s)
     with torch.no_grad():
         want = hf(tokens).logits[:, 0].tolist()
     assert reward_model_fn(ckpt)(prompts, completions) == pytest.approx(want, abs=1e-5)

@@ -61,12 +61,18 @@ def random_rollout(seed, T, N, p_term=0.1, p_trunc=0.1):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), T=st.integers(1, 40), N=st.integers(1, 5),
-       gamma=st.floats(0.5, 1.0), lam=st.floats(0.0, 1.0))
+@given(
+    seed=st.integers(0, 10_000),
+    T=st.integers(1, 40),
+    N=st.integers(1, 5),
+    gamma=st.floats(0.5, 1.0),
+    lam=st.floats(0.0, 1.0),
+)
 def test_gae_equals_python_loop(seed, T, N, gamma, lam):
     r, v, nv, term, trunc = random_rollout(seed, T, N)
-    expected_adv, expected_ret = loop_gae(r.tolist(), v.tolist(), nv.tolist(), term.tolist(), trunc.tolist(),
-                                          gamma, lam)
+    expected_adv, expected_ret = loop_gae(
+        r.tolist(), v.tolist(), nv.tolist(), term.tolist(), trunc.tolist(), gamma, lam
+    )
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     advantages, returns = gae(t(r), t(v), t(nv), torch.tensor(term), torch.tensor(trunc), gamma, lam)
     torch.testing.assert_close(advantages, t(expected_adv), rtol=1e-10, atol=1e-10)
@@ -138,6 +144,5 @@ def test_any_trailing_batch_shape(shape):
     r = torch.randn(shape, generator=g)
     term = torch.rand(shape, generator=g) < 0.2
     trunc = torch.zeros(shape, dtype=torch.bool)
-    flat = reward_to_go(r.reshape(7, -1), torch.zeros(7, r[0].numel()), term.reshape(7, -1),
-                        trunc.reshape(7, -1), 0.9)
+    flat = reward_to_go(r.reshape(7, -1), torch.zeros(7, r[0].numel()), term.reshape(7, -1), trunc.reshape(7, -1), 0.9)
     torch.testing.assert_close(reward_to_go(r, torch.zeros(shape), term, trunc, 0.9).reshape(7, -1), flat)

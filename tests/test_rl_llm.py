@@ -24,7 +24,9 @@ from spinwheel.train.metrics import read_metrics
 RTOL = 1e-5
 # A random model never answers arithmetic right; this reward (share of digits in the completion) varies within
 # groups from the first step, so every step has a gradient.
-REWARD_MODULE = "def digits(completions, answers):\n    return [sum(ch.isdigit() for ch in c) / 5 for c in completions]\n"
+REWARD_MODULE = (
+    "def digits(completions, answers):\n    return [sum(ch.isdigit() for ch in c) / 5 for c in completions]\n"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -35,10 +37,23 @@ def digit_reward(tmp_path, monkeypatch):
 
 
 def small_config(out_dir, **kw) -> RLConfig:
-    base = dict(model="test", out_dir=str(out_dir), steps=5, prompts_per_step=4, group_size=4, max_new_tokens=5,
-                reward="rl_test_reward:digits",
-                lr=3e-3, beta=0.05, eval_every=0, eval_examples=8, save_every=0, progress=False, num_threads=1,
-                task=ArithmeticConfig(num_digits=1, num_train=40, num_test=8))
+    base = dict(
+        model="test",
+        out_dir=str(out_dir),
+        steps=5,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=5,
+        reward="rl_test_reward:digits",
+        lr=3e-3,
+        beta=0.05,
+        eval_every=0,
+        eval_examples=8,
+        save_every=0,
+        progress=False,
+        num_threads=1,
+        task=ArithmeticConfig(num_digits=1, num_train=40, num_test=8),
+    )
     base.update(kw)
     return RLConfig(**base)
 
@@ -81,8 +96,9 @@ def test_shared_prompt_forward_equals_one_row_per_completion():
     assert out.logprobs[mask == 0].abs().max() == 0 and out.entropy[mask == 0].abs().max() == 0
     w = torch.randn(mask.shape, generator=gen) * mask
     params = list(model.parameters())
-    for g_ref, g in zip(torch.autograd.grad((ref.logprobs * w).sum(), params),
-                        torch.autograd.grad((out.logprobs * w).sum(), params)):
+    for g_ref, g in zip(
+        torch.autograd.grad((ref.logprobs * w).sum(), params), torch.autograd.grad((out.logprobs * w).sum(), params)
+    ):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
 
 
@@ -93,7 +109,8 @@ def test_reward_functions_are_checked(tmp_path, monkeypatch):
         "def nan(c, a):\n    return [float('nan')] * len(c)\n"
         "def short(c, a):\n    return [1.0]\n"
         "def boom(c, a):\n    raise RuntimeError('bad')\n"
-        "def length(c, a):\n    return [len(x) for x in c]\n")
+        "def length(c, a):\n    return [len(x) for x in c]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert score(load_reward_fn("myrewards:length"), ["ab", "c"], ["", ""]).tolist() == [2.0, 1.0]
     for name, message in [("nan", "non-finite"), ("short", "returned 1 values for 2"), ("boom", "raised RuntimeError")]:
@@ -169,23 +186,52 @@ def test_layouts_match_one_process(tmp_path):
 
 
 def test_sigkill_then_rerun_resumes_exactly(tmp_path):
-    args = ["--model", "test", "--steps", "8", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens",
-            "5", "--lr", "3e-3", "--beta", "0.05", "--reward", "rl_test_reward:digits", "--eval-every", "0", "--eval-examples", "4", "--save-every", "2",
-            "--no-progress", "--num-threads", "1", "--task-num-digits", "1", "--task-num-train", "40",
-            "--task-num-test", "8"]
+    args = [
+        "--model",
+        "test",
+        "--steps",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "5",
+        "--lr",
+        "3e-3",
+        "--beta",
+        "0.05",
+        "--reward",
+        "rl_test_reward:digits",
+        "--eval-every",
+        "0",
+        "--eval-examples",
+        "4",
+        "--save-every",
+        "2",
+        "--no-progress",
+        "--num-threads",
+        "1",
+        "--task-num-digits",
+        "1",
+        "--task-num-train",
+        "40",
+        "--task-num-test",
+        "8",
+    ]
 
     def command(out):
         return [sys.executable, "-m", "spinwheel.cli", "grpo", *args, "--out-dir", str(out)]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command(tmp_path / "full"), check=True, capture_output=True, env=env, timeout=300)
-    proc = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:  # kill once step 5 is logged: the last checkpoint is step 4
-        if metrics.exists() and any(json.loads(x).get("step", 0) >= 5 and "loss" in x
-                                    for x in metrics.read_text().splitlines() if x.strip()):
+        if metrics.exists() and any(
+            json.loads(x).get("step", 0) >= 5 and "loss" in x for x in metrics.read_text().splitlines() if x.strip()
+        ):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)

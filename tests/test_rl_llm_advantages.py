@@ -5,9 +5,18 @@ import statistics
 import pytest
 import torch
 
-from spinwheel.rl.llm_advantages import (AdaptiveKLController, FixedKLController, dynamic_sampling_mask,
-                                         final_token_mask, group_advantages, reinforce_pp_advantages,
-                                         rloo_advantages, token_gae, token_rewards, whiten)
+from spinwheel.rl.llm_advantages import (
+    AdaptiveKLController,
+    FixedKLController,
+    dynamic_sampling_mask,
+    final_token_mask,
+    group_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    token_gae,
+    token_rewards,
+    whiten,
+)
 
 REWARDS = [1.0, 0.0, 0.5, 0.0, 2.0, 2.0, 2.0, 2.0, -1.0, 3.0, 0.0, 1.0]  # 3 prompts × G = 4; group 1 all equal
 
@@ -17,7 +26,7 @@ def test_group_advantages_equal_the_definition():
     got = group_advantages(rewards, 4, eps=1e-4).tolist()
     expected = []
     for g in range(3):
-        group = REWARDS[4 * g: 4 * g + 4]
+        group = REWARDS[4 * g : 4 * g + 4]
         mean, std = statistics.mean(group), statistics.stdev(group)  # stdev: the unbiased (n - 1) one, as TRL
         expected += [(r - mean) / (std + 1e-4) for r in group]
     assert got == pytest.approx(expected, abs=1e-12)
@@ -26,8 +35,9 @@ def test_group_advantages_equal_the_definition():
     assert got[0] == pytest.approx(0.625 / (0.4787135538781691 + 1e-4), abs=1e-12)
     # Dr. GRPO: centred only
     dr = group_advantages(rewards, 4, scale_std=False).tolist()
-    assert dr == pytest.approx([r - statistics.mean(REWARDS[4 * (i // 4): 4 * (i // 4) + 4])
-                                for i, r in enumerate(REWARDS)], abs=1e-12)
+    assert dr == pytest.approx(
+        [r - statistics.mean(REWARDS[4 * (i // 4) : 4 * (i // 4) + 4]) for i, r in enumerate(REWARDS)], abs=1e-12
+    )
     with pytest.raises(ValueError, match="groups of 5"):
         group_advantages(rewards, 5)
     with pytest.raises(ValueError, match="group_size"):
@@ -60,8 +70,10 @@ def test_whiten_equals_masked_statistics():
     kept = [1.0, 2.0, 4.0, -1.0, 0.5]
     mean, var = statistics.mean(kept), statistics.variance(kept)  # unbiased variance, as TRL's masked_whiten
     got = whiten(x, mask)
-    expected = [[(v - mean) / (var + 1e-8) ** 0.5 if m else 0.0 for v, m in zip(row, mrow)]
-                for row, mrow in zip(x.tolist(), mask.tolist())]
+    expected = [
+        [(v - mean) / (var + 1e-8) ** 0.5 if m else 0.0 for v, m in zip(row, mrow)]
+        for row, mrow in zip(x.tolist(), mask.tolist())
+    ]
     torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
     scaled = whiten(x, mask, shift_mean=False)
     assert scaled[0, 0].item() == pytest.approx((1.0 - mean) / (var + 1e-8) ** 0.5 + mean, abs=1e-12)
@@ -90,7 +102,11 @@ def test_token_rewards_put_the_score_on_the_last_token():
                 expected = -beta * KL[i][t] + (SCORES[i] if t == length - 1 else 0.0)
             assert got[i, t].item() == pytest.approx(expected, abs=1e-12)
     assert final_token_mask(torch.tensor(MASK, dtype=torch.bool)).tolist() == [
-        [0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 0]]
+        [0, 0, 1, 0, 0],
+        [1, 0, 0, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 0],
+    ]
 
 
 def _gae_loop(rewards, values, length, gamma, lam):
@@ -143,8 +159,10 @@ def test_reinforce_pp_equals_the_definition(gamma):
     for i, row in enumerate(MASK):
         length = sum(row)
         for t in range(length):
-            g = sum(gamma ** (k - t) * (-beta * KL[i][k] + (SCORES[i] if k == length - 1 else 0.0))
-                    for k in range(t, length))
+            g = sum(
+                gamma ** (k - t) * (-beta * KL[i][k] + (SCORES[i] if k == length - 1 else 0.0))
+                for k in range(t, length)
+            )
             if gamma == 1.0:
                 assert g == pytest.approx(SCORES[i] - beta * sum(KL[i][t:length]), abs=1e-12)
             raw.append(g)
@@ -161,7 +179,7 @@ def test_reinforce_pp_with_group_baseline():
     kl = [[0.1, 0.2, 0.0], [0.3, 0.0, 0.0], [0.0, 0.1, 0.2], [0.2, 0.2, 0.0]]
     got = reinforce_pp_advantages(_t(scores), _t(kl), torch.tensor(mask), 0.5, group_size=2)
     centred = [0.5, -0.5, 1.0, -1.0]  # score minus its group's mean
-    raw = [centred[i] - 0.5 * sum(kl[i][t:sum(mask[i])]) for i in range(4) for t in range(sum(mask[i]))]
+    raw = [centred[i] - 0.5 * sum(kl[i][t : sum(mask[i])]) for i in range(4) for t in range(sum(mask[i]))]
     mean, std = statistics.mean(raw), statistics.stdev(raw)
     flat = [got[i, t].item() for i in range(4) for t in range(sum(mask[i]))]
     assert flat == pytest.approx([(g - mean) / (std**2 + 1e-8) ** 0.5 for g in raw], abs=1e-9)

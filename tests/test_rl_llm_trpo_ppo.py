@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_rl_llm import digit_reward, small_config  # noqa: F401  (the fixture gives every test its reward module)
 
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
@@ -15,8 +16,6 @@ from spinwheel.rl.llm.trpo import trpo_update
 from spinwheel.rl.token_losses import token_weights
 from spinwheel.train.learners import LocalLearner, ParallelLearner, local_outputs
 from spinwheel.train.metrics import read_metrics
-
-from test_rl_llm import digit_reward, small_config  # noqa: F401  (the fixture gives every test its reward module)
 
 VOCAB, BATCH, SEQ = 48, 8, 9
 
@@ -29,8 +28,12 @@ def make_batch(model) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     mask = (torch.arange(SEQ)[None] >= torch.randint(1, 5, (BATCH, 1), generator=gen)).float()
-    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "weights": token_weights(mask, "token-mean"),
-             "advantages": torch.randn(BATCH, 1, generator=gen).expand(BATCH, SEQ) * mask}
+    batch = {
+        "input_ids": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "weights": token_weights(mask, "token-mean"),
+        "advantages": torch.randn(BATCH, 1, generator=gen).expand(BATCH, SEQ) * mask,
+    }
     with torch.no_grad():
         batch["old_logprobs"] = local_outputs(model, batch, False).logprobs
     return batch
@@ -82,8 +85,9 @@ def test_trpo_data_parallel_equals_one_process():
 
 
 def test_ppo_trains_its_critic_and_resumes(tmp_path):
-    config = small_config(tmp_path, algo="ppo", steps=4, save_every=2, stop_after=2, critic_lr=3e-3,
-                          kl_target=0.01, beta=0.1)
+    config = small_config(
+        tmp_path, algo="ppo", steps=4, save_every=2, stop_after=2, critic_lr=3e-3, kl_target=0.01, beta=0.1
+    )
     train_rl(config)
     assert (tmp_path / "critic" / "config.json").is_file()
     train_rl(small_config(tmp_path, algo="ppo", steps=4, save_every=2, critic_lr=3e-3, kl_target=0.01, beta=0.1))

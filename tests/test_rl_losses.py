@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from spinwheel.rl.losses import (approx_kl, entropy_loss, explained_variance, policy_gradient_loss, ppo_clip_loss,
-                                 value_loss)
+from spinwheel.rl.losses import (
+    approx_kl,
+    entropy_loss,
+    explained_variance,
+    policy_gradient_loss,
+    ppo_clip_loss,
+    value_loss,
+)
 
 
 def test_ppo_clip_loss_equals_the_formula():

@@ -60,8 +60,7 @@ def test_dpo_gradient_equals_eq_8():
 def test_dpo_label_smoothing_is_conservative_dpo():
     beta, eps = 0.2, 0.1
     loss, _ = dpo_loss(*_tensors(), beta=beta, label_smoothing=eps)
-    expected = sum(-(1 - eps) * _log_sigmoid(beta * _h(i)) - eps * _log_sigmoid(-beta * _h(i))
-                   for i in range(4)) / 4
+    expected = sum(-(1 - eps) * _log_sigmoid(beta * _h(i)) - eps * _log_sigmoid(-beta * _h(i)) for i in range(4)) / 4
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     # at ε = 0.5 the label carries no information: the loss is even in h, so a tie gives the minimum log 2
     half, _ = dpo_loss(*[torch.zeros(1, dtype=torch.float64)] * 4, beta=beta, label_smoothing=0.5)
@@ -86,8 +85,9 @@ def test_ipo_equals_the_squared_loss():
 def test_pair_weights_make_shards_add_up():
     full, full_stats = dpo_loss(*_tensors(), beta=0.1)
     weights = torch.full((4,), 1 / 4, dtype=torch.float64)
-    parts = [dpo_loss(*[t[rows] for t in _tensors()], beta=0.1, weights=weights[rows])
-             for rows in (slice(0, 1), slice(1, 4))]
+    parts = [
+        dpo_loss(*[t[rows] for t in _tensors()], beta=0.1, weights=weights[rows]) for rows in (slice(0, 1), slice(1, 4))
+    ]
     assert sum(p[0].item() for p in parts) == pytest.approx(full.item(), abs=1e-12)
     assert sum(p[1]["accuracy"].item() for p in parts) == pytest.approx(full_stats["accuracy"].item())
 

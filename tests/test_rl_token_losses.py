@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from spinwheel.rl.llm_advantages import group_advantages
-from spinwheel.rl.token_losses import (clipped_policy_loss, clipped_value_loss, grpo_loss, kl_per_token,
-                                       logprob_mismatch, token_weights, truncated_is_weights)
+from spinwheel.rl.token_losses import (
+    clipped_policy_loss,
+    clipped_value_loss,
+    grpo_loss,
+    kl_per_token,
+    logprob_mismatch,
+    token_weights,
+    truncated_is_weights,
+)
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 ESTIMATORS = ["k1", "k2", "k3"]
@@ -20,17 +27,35 @@ ESTIMATORS = ["k1", "k2", "k3"]
 # 4 completions of lengths 3, 1, 4, 2 over T = 5 positions (right padding); garbage in the padding.
 MASK = [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
 # ratios r = π/π_old chosen to land on every side of [1 - 0.2, 1 + 0.28] and of the symmetric [0.8, 1.2]
-RATIOS = [[1.25, 0.75, 1.0, 9.0, 9.0], [1.5, 9.0, 9.0, 9.0, 9.0], [0.7, 1.1, 1.3, 0.9, 9.0],
-          [1.22, 0.85, 9.0, 9.0, 9.0]]
+RATIOS = [
+    [1.25, 0.75, 1.0, 9.0, 9.0],
+    [1.5, 9.0, 9.0, 9.0, 9.0],
+    [0.7, 1.1, 1.3, 0.9, 9.0],
+    [1.22, 0.85, 9.0, 9.0, 9.0],
+]
 ADV = [1.0, -2.0, -0.5, 0.75]  # one advantage per completion (GRPO's outcome advantage)
 
 
 def _inputs():
-    old = torch.tensor([[-1.0, -0.5, -2.0, -0.3, -1.1], [-0.7, -1.2, -0.9, -0.4, -2.2],
-                        [-1.5, -0.2, -0.8, -1.9, -0.6], [-0.4, -1.3, -0.5, -0.8, -1.0]], dtype=torch.float64)
+    old = torch.tensor(
+        [
+            [-1.0, -0.5, -2.0, -0.3, -1.1],
+            [-0.7, -1.2, -0.9, -0.4, -2.2],
+            [-1.5, -0.2, -0.8, -1.9, -0.6],
+            [-0.4, -1.3, -0.5, -0.8, -1.0],
+        ],
+        dtype=torch.float64,
+    )
     logp = old + torch.tensor(RATIOS, dtype=torch.float64).log()
-    ref = old + torch.tensor([[0.3, -0.2, 0.1, 0.0, 0.5], [-0.4, 0.2, 0.0, 0.1, 0.3],
-                              [0.2, 0.25, -0.3, 0.1, 0.0], [-0.1, 0.4, 0.2, -0.2, 0.1]], dtype=torch.float64)
+    ref = old + torch.tensor(
+        [
+            [0.3, -0.2, 0.1, 0.0, 0.5],
+            [-0.4, 0.2, 0.0, 0.1, 0.3],
+            [0.2, 0.25, -0.3, 0.1, 0.0],
+            [-0.1, 0.4, 0.2, -0.2, 0.1],
+        ],
+        dtype=torch.float64,
+    )
     mask = torch.tensor(MASK, dtype=torch.float64)
     return logp, old, ref, torch.tensor(ADV, dtype=torch.float64), mask
 
@@ -85,8 +110,11 @@ def test_token_weights_per_mode():
 def test_kl_estimators_equal_the_formulas():
     logp = torch.tensor([-1.0, -0.2, -3.0], dtype=torch.float64)
     ref = torch.tensor([-1.5, -0.2, -1.0], dtype=torch.float64)
-    for estimator, formula in [("k1", lambda lp, rf: lp - rf), ("k2", lambda lp, rf: 0.5 * (lp - rf) ** 2),
-                               ("k3", lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1)]:
+    for estimator, formula in [
+        ("k1", lambda lp, rf: lp - rf),
+        ("k2", lambda lp, rf: 0.5 * (lp - rf) ** 2),
+        ("k3", lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1),
+    ]:
         got = kl_per_token(logp, ref, estimator).tolist()
         assert got == pytest.approx([formula(a, b) for a, b in zip(logp.tolist(), ref.tolist())], abs=1e-12)
     assert (kl_per_token(logp, ref, "k3") >= 0).all()
@@ -128,8 +156,13 @@ def test_grpo_gradient_equals_the_oracle_gradient(mode):
     w = token_weights(mask, mode)[2, 0].item()
     kl_grad = 0.1 * w * (1 - math.exp((ref[2, 0] - logp[2, 0]).item()))
     assert mine.grad[2, 0].item() == pytest.approx(kl_grad, abs=1e-12)
-    assert abs(mine.grad[2, 1].item() - 0.1 * token_weights(mask, mode)[2, 1].item()
-               * (1 - math.exp((ref[2, 1] - logp[2, 1]).item()))) > 1e-3  # a live token has more
+    assert (
+        abs(
+            mine.grad[2, 1].item()
+            - 0.1 * token_weights(mask, mode)[2, 1].item() * (1 - math.exp((ref[2, 1] - logp[2, 1]).item()))
+        )
+        > 1e-3
+    )  # a live token has more
     assert (mine.grad[mask == 0] == 0).all()
 
 
@@ -184,8 +217,7 @@ def test_shards_sum_to_the_full_batch(mode):
     shard = logp.clone().requires_grad_()
     total, shard_stats = 0.0, []
     for rows in (slice(0, 1), slice(1, 4)):  # uneven shards: 1 row and 3 rows
-        part, part_stats = grpo_loss(shard[rows], old[rows], adv[rows], weights[rows], ref[rows], 0.05, 0.2, 0.28,
-                                     "k2")
+        part, part_stats = grpo_loss(shard[rows], old[rows], adv[rows], weights[rows], ref[rows], 0.05, 0.2, 0.28, "k2")
         part.backward()
         total += part.item()
         shard_stats.append(part_stats)

@@ -7,8 +7,14 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from spinwheel.rl.trpo import (backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad,
-                               kl_radius_scale, trust_region_step)
+from spinwheel.rl.trpo import (
+    backtracking_line_search,
+    conjugate_gradient,
+    fisher_vector_product,
+    flat_grad,
+    kl_radius_scale,
+    trust_region_step,
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -74,7 +80,7 @@ def test_fisher_vector_product_equals_explicit_hessian():
         """The same mean KL as a function of the flat parameter vector."""
         chunks, offset = [], 0
         for shape in shapes:
-            chunks.append(v[offset:offset + shape.numel()].view(shape))
+            chunks.append(v[offset : offset + shape.numel()].view(shape))
             offset += shape.numel()
         w1, b1, w2, b2 = chunks
         logp = torch.log_softmax(torch.tanh(obs @ w1.T + b1) @ w2.T + b2, -1)
@@ -142,7 +148,8 @@ def test_line_search_backtracks_until_the_kl_fits():
     policy, surrogate, kl, _ = make_problem(5)
     params = list(policy.parameters())
     g = flat_grad(surrogate(), params)
-    accepted, stats = backtracking_line_search(params, 50 * g / g.norm(), surrogate, kl, max_kl=0.01,
-                                               backtrack_coef=0.5, max_backtracks=30)
+    accepted, stats = backtracking_line_search(
+        params, 50 * g / g.norm(), surrogate, kl, max_kl=0.01, backtrack_coef=0.5, max_backtracks=30
+    )
     assert accepted and stats["backtracks"] > 0
     assert kl().item() <= 0.01

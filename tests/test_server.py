@@ -8,10 +8,9 @@ import threading
 import time
 
 import httpx
+import openai  # the official client (a test dependency)
 import pytest
 import torch
-
-import openai  # the official client (a test dependency)
 
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -93,8 +92,14 @@ def test_chat_equals_offline_llm_on_the_rendered_template(client, offline):
     assert resp.choices[0].message.role == "assistant"
     assert resp.choices[0].message.content == ref.outputs[0].text
     assert resp.usage.prompt_tokens == len(prompt_ids)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
@@ -110,9 +115,13 @@ def test_n_seed_stop_and_logprobs(client, offline):
     full = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0).choices[0].text
     stop = full[3:5]
     cut = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0, stop=[stop])
-    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="hello", max_tokens=16, temperature=0, stop=[stop], stream=True))
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=16, temperature=0, stop=[stop], stream=True
+        )
+    )
     assert streamed == cut.choices[0].text
     # logprobs equal the model's log-softmax at each step
     resp = client.completions.create(model=MODEL, prompt="7*8=", max_tokens=4, temperature=0, logprobs=3)
@@ -127,8 +136,14 @@ def test_n_seed_stop_and_logprobs(client, offline):
             assert token_lp == pytest.approx(logp[nxt].item(), abs=1e-4)
             assert len(top) == 3 and max(top.values()) == pytest.approx(logp.max().item(), abs=1e-4)
             ids.append(nxt)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
     assert "".join(c.token for c in content) == chat.choices[0].message.content
@@ -144,8 +159,9 @@ def test_auth_and_body_limit():
         assert r.status_code == 401
         good = openai.OpenAI(base_url=bs.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model=MODEL, prompt="1+1=", max_tokens=2).choices[0].finish_reason
-        r = httpx.post(bs.url + "/v1/completions", headers={"Authorization": "Bearer s3cret"},
-                       json={**body, "prompt": "x" * 5000})
+        r = httpx.post(
+            bs.url + "/v1/completions", headers={"Authorization": "Bearer s3cret"}, json={**body, "prompt": "x" * 5000}
+        )
         assert r.status_code == 413 and "exceeds 2048 bytes" in r.json()["error"]["message"]
         assert httpx.get(bs.url + "/health").status_code == 200  # health stays open
 
@@ -155,8 +171,14 @@ def test_concurrent_streams_with_disconnects_free_every_block(server):
     results: dict[int, object] = {}
 
     def worker(i: int) -> None:
-        body = {"model": MODEL, "prompt": f"request {i} " + "x" * (i % 7), "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": f"request {i} " + "x" * (i % 7),
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
                 assert r.status_code == 200
@@ -195,10 +217,31 @@ def test_concurrent_streams_with_disconnects_free_every_block(server):
 
 
 def _hostile_bodies(rng: random.Random) -> list:
-    weird = [None, True, -1, 0, 1.5, 10**30, -10**30, "", "x" * 300, [], {}, [1, "a"], {"a": 1}, float("nan")]
-    fields = ["prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
-              "logprobs", "presence_penalty", "frequency_penalty", "stream", "model", "top_logprobs",
-              "stop_token_ids", "min_tokens", "echo", "stream_options", "suffix", "max_completion_tokens"]
+    weird = [None, True, -1, 0, 1.5, 10**30, -(10**30), "", "x" * 300, [], {}, [1, "a"], {"a": 1}, float("nan")]
+    fields = [
+        "prompt",
+        "messages",
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "seed",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "stream",
+        "model",
+        "top_logprobs",
+        "stop_token_ids",
+        "min_tokens",
+        "echo",
+        "stream_options",
+        "suffix",
+        "max_completion_tokens",
+    ]
     bodies: list = []
     for _ in range(150):
         body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 4}
@@ -211,16 +254,27 @@ def _hostile_bodies(rng: random.Random) -> list:
             body[rng.choice(fields)] = rng.choice(weird)
         bodies.append(("/v1/chat/completions", body))
     fixed = [
-        {"model": MODEL, "prompt": "x", "n": 0}, {"model": MODEL, "prompt": "x", "max_tokens": 0},
-        {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, {"model": MODEL, "prompt": "x" * 500},
-        {"model": "no-such-model", "prompt": "x"}, {"model": MODEL, "prompt": [[]]},
-        {"model": MODEL, "prompt": [10**6]}, {"model": MODEL, "prompt": [-3]},
-        {"model": MODEL, "prompt": "x", "n": 10**9}, {"model": MODEL, "prompt": "x", "logprobs": 999},
-        {"model": MODEL, "prompt": "x", "seed": 2**70}, {"model": MODEL, "prompt": "x", "stop": [""]},
-        {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        {"model": MODEL, "prompt": "x", "n": 0},
+        {"model": MODEL, "prompt": "x", "max_tokens": 0},
+        {"model": MODEL, "prompt": "x", "max_tokens": 10**9},
+        {"model": MODEL, "prompt": "x" * 500},
+        {"model": "no-such-model", "prompt": "x"},
+        {"model": MODEL, "prompt": [[]]},
+        {"model": MODEL, "prompt": [10**6]},
+        {"model": MODEL, "prompt": [-3]},
+        {"model": MODEL, "prompt": "x", "n": 10**9},
+        {"model": MODEL, "prompt": "x", "logprobs": 999},
+        {"model": MODEL, "prompt": "x", "seed": 2**70},
+        {"model": MODEL, "prompt": "x", "stop": [""]},
+        {"model": MODEL, "messages": []},
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-        {"prompt": "x"}, [1, 2, 3], "just a string", 42, None,
+        {"prompt": "x"},
+        [1, 2, 3],
+        "just a string",
+        42,
+        None,
     ]
     bodies += [("/v1/completions", b) for b in fixed] + [("/v1/chat/completions", b) for b in fixed]
     raw = [b"{bad json", b"", b"\xff\xfe\x00", b'{"model": ' * 50, b"[" * 5000, b"null", b'{"prompt": "\\ud800"}']
@@ -236,8 +290,9 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server, client, o
             if isinstance(body, bytes):
                 r = http.post(path, content=body, headers={"content-type": "application/json"})
             else:
-                r = http.post(path, content=json.dumps(body, allow_nan=True),
-                              headers={"content-type": "application/json"})
+                r = http.post(
+                    path, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
+                )
             statuses.append(r.status_code)
             assert r.status_code < 500, (path, body, r.status_code, r.text)
             if r.status_code >= 400:
@@ -260,11 +315,18 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server, client, o
 def test_metrics_are_prometheus_text(server, client):
     client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("spinwheel_num_requests_running", "spinwheel_num_requests_waiting", "spinwheel_num_requests_swapped",
-                 "spinwheel_kv_cache_usage_ratio", "spinwheel_num_preemptions_total",
-                 "spinwheel_prefix_cache_hit_rate", "spinwheel_generation_tokens_total",
-                 "spinwheel_time_to_first_token_seconds_bucket", "spinwheel_e2e_request_latency_seconds_count",
-                 "spinwheel_inter_token_latency_seconds_count"):
+    for name in (
+        "spinwheel_num_requests_running",
+        "spinwheel_num_requests_waiting",
+        "spinwheel_num_requests_swapped",
+        "spinwheel_kv_cache_usage_ratio",
+        "spinwheel_num_preemptions_total",
+        "spinwheel_prefix_cache_hit_rate",
+        "spinwheel_generation_tokens_total",
+        "spinwheel_time_to_first_token_seconds_bucket",
+        "spinwheel_e2e_request_latency_seconds_count",
+        "spinwheel_inter_token_latency_seconds_count",
+    ):
         assert name in text, name
     generated = [line for line in text.splitlines() if line.startswith("spinwheel_generation_tokens_total ")]
     assert float(generated[0].split()[1]) > 0
@@ -301,9 +363,27 @@ def test_spinwheel_serve_command(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "spinwheel.cli", "serve", "--model", "test", "--port", str(port),
-                             "--api-key", "k", "--engine-num-kv-blocks", "16", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spinwheel.cli",
+            "serve",
+            "--model",
+            "test",
+            "--port",
+            str(port),
+            "--api-key",
+            "k",
+            "--engine-num-kv-blocks",
+            "16",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

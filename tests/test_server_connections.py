@@ -12,13 +12,13 @@ import time
 
 import httpx
 import pytest
+from test_server import MODEL, _model
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server import BackgroundServer, OpenAIServer
 from spinwheel.server.limits import ServerLimits
 from spinwheel.server.logs import RepeatFilter
-from test_server import MODEL, _model
 
 HALF_OPEN = int(os.environ.get("SPINWHEEL_SLOWLORIS", "300"))
 HEADER_TIMEOUT_S = 2.0
@@ -39,10 +39,29 @@ def _num_fds(pid: int) -> int:
 def serve_process():
     """The real command in its own process, so that its descriptors can be counted apart from the clients'."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spinwheel.cli", "serve", "--model", "test", "--port", str(port),
-                             "--engine-num-kv-blocks", "16", "--log-level", "warning",
-                             "--header-timeout-s", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spinwheel.cli",
+            "serve",
+            "--model",
+            "test",
+            "--port",
+            str(port),
+            "--engine-num-kv-blocks",
+            "16",
+            "--log-level",
+            "warning",
+            "--header-timeout-s",
+            str(HEADER_TIMEOUT_S),
+            "--max-connections",
+            str(MAX_CONNECTIONS),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -105,8 +124,8 @@ def test_half_open_connections_neither_starve_requests_nor_exhaust_descriptors(s
                     closed_at[key.fileobj] = time.monotonic()
         assert not open_socks, f"{len(open_socks)} of {HALF_OPEN} half-open connections still open"
         # the newest ones (never evicted) lived out the header timeout, no longer than a few seconds past it
-        last = socks[-(MAX_CONNECTIONS // 2):]
-        lives = [closed_at[s] - t for s, t in zip(last, opened[-len(last):])]
+        last = socks[-(MAX_CONNECTIONS // 2) :]
+        lives = [closed_at[s] - t for s, t in zip(last, opened[-len(last) :])]
         assert min(lives) > HEADER_TIMEOUT_S * 0.9 and max(lives) < HEADER_TIMEOUT_S + 8, (min(lives), max(lives))
         assert _num_fds(proc.pid) <= base_fds + 16
         metrics = httpx.get(url + "/metrics").text
@@ -141,16 +160,20 @@ def test_a_body_that_never_completes_gets_408():
         s = socket.create_connection((bs.host, bs.port))
         s.settimeout(10)
         t0 = time.monotonic()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: 100\r\n\r\n{\"model\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"model": '
+        )
         reply = b""
         while chunk := s.recv(4096):  # the server closes after answering
             reply += chunk
         assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
         assert 0.4 < time.monotonic() - t0 < 5
         s.close()
-        assert httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}
-                          ).status_code == 200
+        assert (
+            httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}).status_code
+            == 200
+        )
 
 
 def test_repeated_log_lines_are_rate_limited():

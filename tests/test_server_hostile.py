@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from test_server import MODEL, _all_blocks_free, _model, _wait_idle
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
@@ -18,7 +19,6 @@ from spinwheel.models.presets import preset_config
 from spinwheel.server import BackgroundServer, OpenAIServer
 from spinwheel.server.async_engine import AsyncEngine
 from spinwheel.server.limits import ServerLimits
-from test_server import MODEL, _all_blocks_free, _model, _wait_idle
 
 
 def _long_context_model(max_len: int = 2048) -> Transformer:
@@ -27,8 +27,11 @@ def _long_context_model(max_len: int = 2048) -> Transformer:
 
 
 def _engine(model=None, **config) -> LLMEngine:
-    return LLMEngine(model or _model(), spinwheel.Tokenizer.char_level(),
-                     EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, **config}))
+    return LLMEngine(
+        model or _model(),
+        spinwheel.Tokenizer.char_level(),
+        EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, **config}),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +46,11 @@ AUTH = {"Authorization": "Bearer s3cret", "content-type": "application/json"}
 def _metric(url: str, name: str) -> float:
     """Sum of a Prometheus sample (all label sets) from /metrics."""
     text = httpx.get(url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 def _eventually(check, timeout: float = 10.0) -> None:
@@ -64,8 +70,11 @@ def _assert_error_object(r: httpx.Response, status: int) -> dict:
 
 def test_non_ascii_authorization_header_is_401(server):
     for value in ("Bearer \xe9t\xe9".encode("latin-1"), "Bearer clé".encode(), b"\xff\xfe", "Béarer s3cret".encode()):
-        r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny-test", "prompt": "a"}',
-                       headers={"authorization": value, "content-type": "application/json"})
+        r = httpx.post(
+            server.url + "/v1/completions",
+            content=b'{"model": "tiny-test", "prompt": "a"}',
+            headers={"authorization": value, "content-type": "application/json"},
+        )
         err = _assert_error_object(r, 401)
         assert err["code"] == "invalid_api_key"
 
@@ -83,19 +92,25 @@ def test_an_api_key_no_client_can_send_is_refused_at_start(capsys):
     assert time.monotonic() - t0 < 5  # refused before the checkpoint is loaded
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
-    ("/v1/completions", {"prompt": ["ok", "a\ud800b"]}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "stop": ["\udfff"]}, "stop"),
-    ("/v1/completions", {"prompt": "x", "model": "\ud800"}, "model"),
-    ("/v1/completions", {"prompt": "x", "stream": True, "model": "\ud83d"}, "model"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
-     "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "\ud800"}, "model"),
-    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "a\ud800b"]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stop": ["\udfff"]}, "stop"),
+        ("/v1/completions", {"prompt": "x", "model": "\ud800"}, "model"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "model": "\ud83d"}, "model"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "\ud800"}, "model"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ],
+)
 def test_lone_surrogates_are_400(server, path, body, param):
     body = {"model": MODEL, "max_tokens": 2, **body}
     r = httpx.post(server.url + path, content=json.dumps(body).encode(), headers=AUTH)  # json escapes as \\ud800
@@ -125,8 +140,11 @@ def test_an_unexpected_exception_is_a_counted_500_error_object():
         err = _assert_error_object(r, 500)
         assert err["type"] == "server_error" and "RuntimeError" in err["message"]
         # after the 200 of a stream went out: an error event, then [DONE]
-        with httpx.stream("POST", bs.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "ab", "max_tokens": 4, "logprobs": 1, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            bs.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "ab", "max_tokens": 4, "logprobs": 1, "stream": True},
+        ) as r:
             assert r.status_code == 200
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and "KeyError" in json.loads(events[-2])["error"]["message"]
@@ -138,12 +156,18 @@ def test_an_unexpected_exception_is_a_counted_500_error_object():
 
 
 def test_min_tokens_above_max_tokens_is_400(server):
-    r = httpx.post(server.url + "/v1/completions", headers=AUTH,
-                   json={"model": MODEL, "prompt": "ab", "max_tokens": 3, "min_tokens": 5})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        headers=AUTH,
+        json={"model": MODEL, "prompt": "ab", "max_tokens": 3, "min_tokens": 5},
+    )
     err = _assert_error_object(r, 400)
     assert err["param"] == "min_tokens" and "max_tokens=3" in err["message"]
-    r = httpx.post(server.url + "/v1/completions", headers=AUTH,
-                   json={"model": MODEL, "prompt": "ab", "max_tokens": 5, "min_tokens": 5, "ignore_eos": False})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        headers=AUTH,
+        json={"model": MODEL, "prompt": "ab", "max_tokens": 5, "min_tokens": 5, "ignore_eos": False},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5  # min_tokens honoured
 
 
@@ -153,7 +177,7 @@ def test_a_chunked_oversized_body_is_413_like_a_sized_one():
 
         def chunks():
             for i in range(0, len(body), 1000):
-                yield body[i:i + 1000]
+                yield body[i : i + 1000]
 
         for content in (body, chunks()):  # Content-Length, then Transfer-Encoding: chunked
             r = httpx.post(bs.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
@@ -163,15 +187,18 @@ def test_a_chunked_oversized_body_is_413_like_a_sized_one():
 
 def test_too_many_sequences_in_one_request_is_400_before_tokenizing():
     with BackgroundServer(OpenAIServer(_engine(), MODEL, limits=ServerLimits(max_sequences_per_request=8))) as bs:
-        ok = httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c", "d"], "n": 2,
-                                                           "max_tokens": 2})
+        ok = httpx.post(
+            bs.url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c", "d"], "n": 2, "max_tokens": 2}
+        )
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
         for body in ({"prompt": ["a"] * 5, "n": 2}, {"prompt": [[5, 6]] * 9}, {"prompt": "a", "n": 9}):
             r = httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "max_tokens": 2, **body})
             err = _assert_error_object(r, 400)
             assert err["code"] == "too_many_sequences" and "at most 8" in err["message"]
-        r = httpx.post(bs.url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9})
+        r = httpx.post(
+            bs.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9},
+        )
         assert _assert_error_object(r, 400)["code"] == "too_many_sequences"
 
 
@@ -195,8 +222,10 @@ def test_a_big_body_does_not_stall_a_concurrent_small_request():
             latencies = []
             while thread.is_alive() or not latencies:
                 t0 = time.perf_counter()
-                assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}
-                                 ).status_code == 200
+                assert (
+                    http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code
+                    == 200
+                )
                 latencies.append(time.perf_counter() - t0)
                 time.sleep(0.02)
             thread.join()
@@ -241,13 +270,24 @@ def test_a_client_that_never_reads_is_disconnected_and_its_blocks_freed():
     engine = _engine(_long_context_model(), num_kv_blocks=2048)
     limits = ServerLimits(stall_timeout_s=0.5, send_buffer_kb=16)
     with BackgroundServer(OpenAIServer(engine, MODEL, limits=limits)) as bs:
-        body = json.dumps({"model": MODEL, "prompt": "hello", "n": 4, "max_tokens": 1500, "ignore_eos": True,
-                           "logprobs": 5, "stream": True}).encode()
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "prompt": "hello",
+                "n": 4,
+                "max_tokens": 1500,
+                "ignore_eos": True,
+                "logprobs": 5,
+                "stream": True,
+            }
+        ).encode()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect((bs.host, bs.port))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         try:
             _wait_idle(engine, timeout=30)
             assert _all_blocks_free(engine)

@@ -5,11 +5,11 @@ import json
 
 import httpx
 import pytest
+from test_server import MODEL, _model
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server import BackgroundServer, OpenAIServer
-from test_server import MODEL, _model
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +24,17 @@ def _stream(server, path: str, body: dict) -> list[dict]:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
-@pytest.mark.parametrize("path,body,text_of", [
-    ("/v1/completions", {"prompt": "ab", "logprobs": 1}, lambda ch: ch.get("text") or ""),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "logprobs": True, "top_logprobs": 1},
-     lambda ch: ch["delta"].get("content") or ""),
-])
+@pytest.mark.parametrize(
+    "path,body,text_of",
+    [
+        ("/v1/completions", {"prompt": "ab", "logprobs": 1}, lambda ch: ch.get("text") or ""),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "ab"}], "logprobs": True, "top_logprobs": 1},
+            lambda ch: ch["delta"].get("content") or "",
+        ),
+    ],
+)
 def test_no_chunks_after_a_choice_finished(server, path, body, text_of):
     early = 0
     for seed in range(6):

@@ -3,11 +3,11 @@ against what ``/v1/chat/completions`` counts as its prompt."""
 
 import httpx
 import pytest
+from test_server import MODEL, _model
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server import BackgroundServer, OpenAIServer
-from test_server import MODEL, _model
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +49,18 @@ def test_detokenize_round_trips(server):
     assert r.json()["prompt"].endswith("hello world")
 
 
-@pytest.mark.parametrize("path,body,status", [
-    ("/tokenize", {"model": MODEL}, 400),  # neither prompt nor messages
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400),
-    ("/tokenize", {"model": "other", "prompt": "a"}, 404),
-    ("/tokenize", {"prompt": 5}, 400),
-    ("/detokenize", {"tokens": [1, 10**6]}, 400),
-    ("/detokenize", {"tokens": [-1]}, 400),
-    ("/detokenize", {"tokens": "abc"}, 400),
-])
+@pytest.mark.parametrize(
+    "path,body,status",
+    [
+        ("/tokenize", {"model": MODEL}, 400),  # neither prompt nor messages
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404),
+        ("/tokenize", {"prompt": 5}, 400),
+        ("/detokenize", {"tokens": [1, 10**6]}, 400),
+        ("/detokenize", {"tokens": [-1]}, 400),
+        ("/detokenize", {"tokens": "abc"}, 400),
+    ],
+)
 def test_bad_tokenize_requests_get_error_objects(server, path, body, status):
     r = _post(server, path, body)
     assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -1,6 +1,5 @@
 """SFT trainer: the loss formula, batching, LR schedule, atomic checkpoints and exact resume."""
 
-import json
 import math
 
 import pytest
@@ -59,9 +58,20 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def _config(out_dir, **kw):
-    base = dict(model="test", out_dir=str(out_dir), steps=12, batch_size=8, lr=3e-3, warmup_steps=2,
-                eval_every=6, eval_examples=8, max_new_tokens=4, save_every=4, progress=False,
-                task=ArithmeticConfig(num_digits=1, num_train=60, num_test=10))
+    base = dict(
+        model="test",
+        out_dir=str(out_dir),
+        steps=12,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=6,
+        eval_examples=8,
+        max_new_tokens=4,
+        save_every=4,
+        progress=False,
+        task=ArithmeticConfig(num_digits=1, num_train=60, num_test=10),
+    )
     base.update(kw)
     return SFTConfig(**base)
 
@@ -85,10 +95,16 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
 
 def test_checkpoint_is_a_complete_hf_directory(tmp_path):
     import transformers
+
     result = train_sft(_config(tmp_path, steps=4, eval_every=0))
     ckpt = tmp_path / "checkpoint"
-    assert {p.name for p in ckpt.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
-                                                "tokenizer_config.json", "trainer_state.pt"}
+    assert {p.name for p in ckpt.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "trainer_state.pt",
+    }
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary dirs left
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     evals = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_exact_match" in r]
@@ -104,8 +120,9 @@ def test_checkpoint_is_a_complete_hf_directory(tmp_path):
 
 
 def test_training_reduces_loss_on_jsonl_chat_data(tmp_path):
-    cfg = _config(tmp_path, data=str(SAMPLES_DIR / "sft.jsonl"), steps=30, eval_every=0, eval_fraction=0.2,
-                  lr=1e-2, batch_size=4)
+    cfg = _config(
+        tmp_path, data=str(SAMPLES_DIR / "sft.jsonl"), steps=30, eval_every=0, eval_fraction=0.2, lr=1e-2, batch_size=4
+    )
     data = build_data(cfg, Tokenizer.char_level())
     assert len(data.train) + len(data.eval) == 7 and len(data.eval) == 1
     assert any("<|assistant|>" in e.prompt for e in data.train + data.eval)  # messages rendered by the template

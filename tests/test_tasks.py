@@ -25,7 +25,7 @@ def check_examples(examples: list[Example], config: ArithmeticConfig) -> None:
         m = PROMPT.match(ex.prompt)
         assert m, ex.prompt
         a, op, b = int(m[1]), m[2], int(m[3])
-        assert 0 <= a < 10 ** config.num_digits and 0 <= b < 10 ** config.num_digits
+        assert 0 <= a < 10**config.num_digits and 0 <= b < 10**config.num_digits
         assert op in config.operators
         # str(int(...)) keeps the reference canonical ("-12", never "-012"); eval is safe on this matched prompt.
         assert ex.answer == str(eval(ex.prompt[:-1])), ex  # noqa: S307
@@ -40,17 +40,20 @@ def test_default_config_builds_the_documented_splits():
     check_examples(task.train[:200] + task.test[:200], task.config)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"num_digits": 0}, "num_digits must be an integer in 1..9"),
-    ({"num_digits": 10}, "num_digits must be an integer in 1..9"),
-    ({"operators": ()}, "operators must not be empty"),
-    ({"operators": ("+", "/")}, r"unknown operators \['/'\]"),
-    ({"operators": "+-"}, "got the string"),
-    ({"operators": ("+", "+")}, "operators must be distinct"),
-    ({"num_train": 0}, "num_train must be an integer >= 1"),
-    ({"num_test": 0}, "num_test must be an integer >= 1"),
-    ({"num_digits": 1, "num_train": 95, "num_test": 6}, r"101 exceeds the 100 distinct problems.*lower num_train"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_digits": 0}, "num_digits must be an integer in 1..9"),
+        ({"num_digits": 10}, "num_digits must be an integer in 1..9"),
+        ({"operators": ()}, "operators must not be empty"),
+        ({"operators": ("+", "/")}, r"unknown operators \['/'\]"),
+        ({"operators": "+-"}, "got the string"),
+        ({"operators": ("+", "+")}, "operators must be distinct"),
+        ({"num_train": 0}, "num_train must be an integer >= 1"),
+        ({"num_test": 0}, "num_test must be an integer >= 1"),
+        ({"num_digits": 1, "num_train": 95, "num_test": 6}, r"101 exceeds the 100 distinct problems.*lower num_train"),
+    ],
+)
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ArithmeticConfig(**kwargs)
@@ -136,9 +139,11 @@ def test_subtraction_answers_can_be_negative():
 
 
 @settings(max_examples=40, deadline=None)
-@given(num_digits=st.integers(1, 9),
-       operators=st.lists(st.sampled_from(["+", "-", "*"]), min_size=1, max_size=3, unique=True),
-       seed=st.integers(0, 2**32))
+@given(
+    num_digits=st.integers(1, 9),
+    operators=st.lists(st.sampled_from(["+", "-", "*"]), min_size=1, max_size=3, unique=True),
+    seed=st.integers(0, 2**32),
+)
 def test_answers_match_python_arithmetic(num_digits, operators, seed):
     config = ArithmeticConfig(num_digits=num_digits, operators=tuple(operators), num_train=20, num_test=5, seed=seed)
     task = ArithmeticTask(config)
@@ -148,31 +153,37 @@ def test_answers_match_python_arithmetic(num_digits, operators, seed):
 # --- extract_answer and reward -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("46", "46"),
-    ("46\n", "46"),
-    ("The answer is 46.", "46"),
-    ("12+34=46", "46"),
-    ("3-15=-12", "-12"),
-    ("-12", "-12"),
-    ("abc", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("46", "46"),
+        ("46\n", "46"),
+        ("The answer is 46.", "46"),
+        ("12+34=46", "46"),
+        ("3-15=-12", "-12"),
+        ("-12", "-12"),
+        ("abc", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(completion, expected):
     assert extract_answer(completion) == expected
 
 
-@pytest.mark.parametrize("completion, answer, expected", [
-    ("The answer is 46", "46", 1.0),
-    ("46\n", "46", 1.0),
-    ("046", "46", 1.0),
-    ("-12", "-12", 1.0),
-    ("12", "-12", 0.0),
-    ("46 or maybe 47", "46", 0.0),  # the last integer is the final answer
-    ("4 6", "46", 0.0),
-    ("abc", "46", 0.0),
-    ("", "0", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("The answer is 46", "46", 1.0),
+        ("46\n", "46", 1.0),
+        ("046", "46", 1.0),
+        ("-12", "-12", 1.0),
+        ("12", "-12", 0.0),
+        ("46 or maybe 47", "46", 0.0),  # the last integer is the final answer
+        ("4 6", "46", 0.0),
+        ("abc", "46", 0.0),
+        ("", "0", 0.0),
+    ],
+)
 def test_reward(completion, answer, expected):
     assert reward(completion, answer) == expected
 
@@ -182,7 +193,7 @@ def test_reward_rejects_non_integer_answer():
         reward("3.5", "3.5")
 
 
-@given(st.integers(-10**12, 10**12), st.text(alphabet="abc =.\n", max_size=10))
+@given(st.integers(-(10**12), 10**12), st.text(alphabet="abc =.\n", max_size=10))
 def test_reward_of_any_integer_after_text(n, prefix):
     assert reward(f"{prefix} {n}", str(n)) == 1.0
     assert reward(f"{prefix} {n + 1}", str(n)) == 0.0

@@ -3,10 +3,9 @@
 import json
 
 import pytest
+import transformers  # the reference implementation (a test dependency)
 
 from spinwheel.models.tokenizer import CHAR_ALPHABET, Tokenizer, TokenizerError, load_tokenizer
-
-import transformers  # the reference implementation (a test dependency)
 
 
 def test_char_level_round_trip_and_specials():
@@ -39,32 +38,56 @@ def test_saved_tokenizer_loads_in_tokenizers_and_transformers(tmp_path):
     back = Tokenizer.from_pretrained(tmp_path)
     assert back.encode(text) == tok.encode(text) and back.chat_template == tok.chat_template
     messages = [{"role": "user", "content": "2+2="}]
-    assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
-        tok.apply_chat_template(messages)
+    assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(
+        messages
+    )
 
 
 def test_hf_tokenizer_json_checkpoint(tmp_path):
     """A BPE tokenizer built with the tokenizers library, saved as a HF checkpoint, loads through spinwheel."""
-    from tokenizers import Tokenizer as RustTokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     rust = RustTokenizer(models.BPE(unk_token="<unk>"))
     rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     rust.decoder = decoders.ByteLevel()
-    rust.train_from_iterator(["hello world", "the quick brown fox"] * 50,
-                             trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    rust.train_from_iterator(
+        ["hello world", "the quick brown fox"] * 50,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     rust.save(str(tmp_path / "tokenizer.json"))
     template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}, "eos_token": "</s>", "chat_template": template}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {
+                    "__type": "AddedToken",
+                    "content": "<s>",
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "single_word": False,
+                },
+                "eos_token": "</s>",
+                "chat_template": template,
+            }
+        )
+    )
     tok = load_tokenizer(tmp_path)
     assert tok.bos_id == rust.token_to_id("<s>") and tok.eos_id == rust.token_to_id("</s>")
     assert tok.pad_id == tok.eos_id  # no pad token: pad with EOS
     assert tok.decode(tok.encode("hello world fox")) == "hello world fox"
     fast = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == \
-        fast.apply_chat_template(msgs, tokenize=False) == "<s>[system] be brief</s>[user] hi</s>"
+    assert (
+        tok.apply_chat_template(msgs, add_generation_prompt=False)
+        == fast.apply_chat_template(msgs, tokenize=False)
+        == "<s>[system] be brief</s>[user] hi</s>"
+    )
 
 
 def test_tokenizer_errors(tmp_path):

@@ -8,5 +8,13 @@ from spinwheel.engine.outputs import CompletionOutput, RequestOutput
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.sequence import SequenceStatus
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "SequenceStatus"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "EngineStats",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "SequenceStatus",
+]

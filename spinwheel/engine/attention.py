@@ -58,8 +58,9 @@ class PagedAttentionMetadata:
     tables_checked: bool = False  # the runner has range-checked the fused buckets' tables for this step
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter new keys/values (N, G, D) into the cache (num_blocks, block_size, G, D)."""
     g, d = k.shape[-2:]
     k_cache.view(-1, g, d).index_copy_(0, slot_mapping, k)
@@ -73,8 +74,15 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(*block_ids.shape, *cache.shape[1:])
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: PagedAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    kv_written: bool = False,
+) -> torch.Tensor:
     """q (N, H, D), k/v (N, G, D) of this step's tokens (RoPE applied) -> (N, H, D). ``kv_written``: k and v are
     in the cache at ``meta.slot_mapping`` already (the fused RoPE kernel writes them)."""
     if not kv_written:
@@ -88,8 +96,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         rows = slice(b.start, b.start + nd)
         if b.bias is None:  # fused kernel: reads the blocks in place and writes its rows of `out`
             assert b.context_lens is not None
-            paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, b.block_tables, b.context_lens, out[rows],
-                                   checked=meta.tables_checked)
+            paged_decode_attention(
+                q[rows].contiguous(),
+                k_cache,
+                v_cache,
+                b.block_tables,
+                b.context_lens,
+                out[rows],
+                checked=meta.tables_checked,
+            )
             continue
         keys = gather_blocks(k_cache, b.block_tables).view(nd, t, g, d).transpose(1, 2)  # (S, G, T, D)
         values = gather_blocks(v_cache, b.block_tables).view(nd, t, g, d).transpose(1, 2)
@@ -102,15 +117,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if p.context_len == p.num_tokens:  # nothing earlier in the cache: plain causal attention on this chunk
             kp, vp, mask, causal = k[rows], v[rows], None, True
         else:
-            kp = gather_blocks(k_cache, p.block_table).view(-1, g, d)[:p.context_len]  # (Tk, G, D)
-            vp = gather_blocks(v_cache, p.block_table).view(-1, g, d)[:p.context_len]
+            kp = gather_blocks(k_cache, p.block_table).view(-1, g, d)[: p.context_len]  # (Tk, G, D)
+            vp = gather_blocks(v_cache, p.block_table).view(-1, g, d)[: p.context_len]
             offset = p.context_len - p.num_tokens  # query i sits at absolute position offset + i
             qpos = torch.arange(p.num_tokens, device=q.device)[:, None] + offset
             mask, causal = torch.arange(p.context_len, device=q.device)[None, :] <= qpos, False
         kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)  # (G, Tk, D)
         if rep > 1 and _SDPA_GQA:  # grouped-query attention inside SDPA: nothing repeated
-            op = F.scaled_dot_product_attention(qp, kp[None], vp[None], attn_mask=mask, is_causal=causal,
-                                                enable_gqa=True)
+            op = F.scaled_dot_product_attention(
+                qp, kp[None], vp[None], attn_mask=mask, is_causal=causal, enable_gqa=True
+            )
         else:
             if rep > 1:
                 kp, vp = kp.repeat_interleave(rep, dim=0), vp.repeat_interleave(rep, dim=0)
@@ -128,8 +144,7 @@ class PagedAttention(nn.Module):
         self.fallback = fallback
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object,
-                layer_idx: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object, layer_idx: int) -> torch.Tensor:
         if not isinstance(meta, PagedAttentionMetadata):
             return self.fallback(q, k, v, meta, layer_idx)
         # the engine runs one flat "batch" of shape (1, N, ...)

@@ -32,9 +32,16 @@ class BeamChoice:
     cumulative_logprob: float
 
 
-def beam_step(logprobs: torch.Tensor, scores: list[float], histories: list[list[int]], num_generated: int,
-              params: SamplingParams, eos_ids: set[int], finished: list[FinishedBeam],
-              improvable: bool) -> tuple[list[BeamChoice], list[FinishedBeam], bool, bool]:
+def beam_step(
+    logprobs: torch.Tensor,
+    scores: list[float],
+    histories: list[list[int]],
+    num_generated: int,
+    params: SamplingParams,
+    eos_ids: set[int],
+    finished: list[FinishedBeam],
+    improvable: bool,
+) -> tuple[list[BeamChoice], list[FinishedBeam], bool, bool]:
     """logprobs (B, V) of the B running beams (1 right after the prompt), their cumulative log-probs ``scores``
     and generated tokens ``histories``; ``num_generated`` tokens generated so far.
 
@@ -58,8 +65,14 @@ def beam_step(logprobs: torch.Tensor, scores: list[float], histories: list[list[
         all_end &= ends
         if ends:
             if rank < k and improvable and not full:
-                new_finished.append(FinishedBeam(histories[parent] + [token], val / (num_generated + 1) ** lp, val,
-                                                 "stop" if is_eos else "length"))
+                new_finished.append(
+                    FinishedBeam(
+                        histories[parent] + [token],
+                        val / (num_generated + 1) ** lp,
+                        val,
+                        "stop" if is_eos else "length",
+                    )
+                )
         elif len(running) < k:
             running.append(BeamChoice(parent, token, val))
     # keep the k best finished; earlier ones win ties (as torch.topk over [old, new] does in HF)
@@ -69,7 +82,7 @@ def beam_step(logprobs: torch.Tensor, scores: list[float], histories: list[list[
             best_len = params.max_tokens
         else:
             best_len = num_generated + 1
-        best_running = running[0].cumulative_logprob / best_len ** lp if running else -1e9
+        best_running = running[0].cumulative_logprob / best_len**lp if running else -1e9
         worst_finished = min(f.score for f in merged) if len(merged) >= k else -1e9
         improvable = best_running > worst_finished
     done = all_end or not improvable or (params.early_stopping is True and len(merged) >= k)

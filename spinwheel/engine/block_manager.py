@@ -19,8 +19,8 @@ drops to zero stays in an LRU list, still counted as free, until an allocation e
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+
+from spinwheel.engine.block_pool import Block, BlockPool, OutOfBlocks, chain_hash  # noqa: F401 (re-exported)
 
 
 class AllocStatus(enum.Enum):
@@ -29,113 +29,15 @@ class AllocStatus(enum.Enum):
     NEVER = "never"  # larger than the whole pool
 
 
-class OutOfBlocks(RuntimeError):
-    """An allocation was attempted without checking ``can_*`` first."""
-
-
-def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
-    """Key of a full block: the previous block's key and this block's tokens."""
-    return hash((prev, tokens))
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # kept for cached blocks, to confirm a hash hit
-
-
-class BlockPool:
-    """Blocks of one device, with free list, reference counts and (optionally) a prefix-cache index."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, least recently used first
-        self._by_hash: dict[int, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._evictable)
-
-    def allocate(self) -> int:
-        if self._free:
-            block_id = self._free.popleft()
-        elif self._evictable:
-            block_id, _ = self._evictable.popitem(last=False)
-            self._unhash(self.blocks[block_id])
-        else:
-            raise OutOfBlocks(f"all {self.num_blocks} blocks are in use")
-        self.blocks[block_id].ref_count = 1
-        return block_id
-
-    def incref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            self._evictable.pop(block_id)  # only hashed blocks are revived from the free side
-        block.ref_count += 1
-
-    def decref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        assert block.ref_count > 0, f"block {block_id} freed twice"
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.hash is not None:
-                self._evictable[block_id] = None
-            else:
-                self._free.append(block_id)
-
-    def lookup(self, key: int, tokens: tuple[int, ...]) -> int | None:
-        block_id = self._by_hash.get(key)
-        if block_id is None or self.blocks[block_id].token_ids != tokens:
-            return None
-        return block_id
-
-    def register(self, block_id: int, key: int, tokens: tuple[int, ...]) -> None:
-        block = self.blocks[block_id]
-        if block.hash is not None or key in self._by_hash:
-            return  # already cached, or the same content lives in another block
-        block.hash, block.token_ids = key, tokens
-        self._by_hash[key] = block_id
-
-    def _unhash(self, block: Block) -> None:
-        if block.hash is not None and self._by_hash.get(block.hash) == block.block_id:
-            del self._by_hash[block.hash]
-        block.hash, block.token_ids = None, ()
-
-    def reset_cache(self) -> None:
-        """Forget every cached prefix (the weights changed): evictable blocks become plain free blocks."""
-        for block in self.blocks:
-            self._unhash(block)
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-
-    def check(self, refs: dict[int, int]) -> None:
-        """Assert the accounting invariants given the reference counts implied by the block tables."""
-        free = set(self._free) | set(self._evictable)
-        assert len(free) == len(self._free) + len(self._evictable), "a block is both free and evictable"
-        used = [b.block_id for b in self.blocks if b.ref_count > 0]
-        assert len(free) + len(used) == self.num_blocks, "free + used != total"
-        for block in self.blocks:
-            assert block.ref_count == refs.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_count {block.ref_count} != {refs.get(block.block_id, 0)} tables")
-            assert (block.ref_count == 0) == (block.block_id in free)
-            if block.block_id in self._evictable:
-                assert block.hash is not None
-        for key, block_id in self._by_hash.items():
-            assert self.blocks[block_id].hash == key
-
-
 class BlockManager:
     """Block tables of all sequences over a device pool and a CPU swap pool.
 
     Sequences are named by integer ids; token lists are passed in where content matters (prefix caching).
     """
 
-    def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, num_cpu_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.gpu = BlockPool(num_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
@@ -170,7 +72,7 @@ class BlockManager:
             return []
         bs, matched, key = self.block_size, [], None
         for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = chain_hash(key, tokens)
             block_id = self.gpu.lookup(key, tokens)
             if block_id is None:
@@ -219,14 +121,13 @@ class BlockManager:
             return
         hashes, table, bs = self._hashes[seq_id], self.block_tables[seq_id], self.block_size
         for i in range(len(hashes), min(num_tokens // bs, len(table))):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = chain_hash(hashes[-1] if hashes else None, tokens)
             self.gpu.register(table[i], key, tokens)
             hashes.append(key)
 
     # ---- growth, copy-on-write, fork ----
-    def _blocks_to_append(self, tables: dict[int, list[int]], pool: BlockPool,
-                          seqs: list[tuple[int, int, int]]) -> int:
+    def _blocks_to_append(self, tables: dict[int, list[int]], pool: BlockPool, seqs: list[tuple[int, int, int]]) -> int:
         """Blocks that extending ``seqs`` (seq_id, num_computed_tokens, num_tokens) takes from ``pool``: new blocks
         past their tables, and the copies :meth:`append_slots` makes of blocks it writes while they are shared —
         a block held by ``r`` tables and written by ``w`` of them is copied ``w`` times, or ``r - 1`` when all its
@@ -268,17 +169,19 @@ class BlockManager:
         (then grow the child with :meth:`append_slots`)."""
         table = self.block_tables[parent_id]
         if num_tokens is not None:
-            table = table[:self.num_blocks_for(num_tokens)]
+            table = table[: self.num_blocks_for(num_tokens)]
         for b in table:
             self.gpu.incref(b)
         self.block_tables[child_id] = list(table)
-        self._hashes[child_id] = self._hashes[parent_id][:len(table)]
+        self._hashes[child_id] = self._hashes[parent_id][: len(table)]
 
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id``'s table (device or CPU); blocks nobody else holds return to their pool. Tail blocks are
         released first so the LRU evicts a prefix's end before its start."""
-        for table, pool in ((self.block_tables.pop(seq_id, None), self.gpu),
-                            (self.cpu_block_tables.pop(seq_id, None), self.cpu)):
+        for table, pool in (
+            (self.block_tables.pop(seq_id, None), self.gpu),
+            (self.cpu_block_tables.pop(seq_id, None), self.cpu),
+        ):
             for b in reversed(table or []):
                 pool.decref(b)
         self._hashes.pop(seq_id, None)
@@ -300,15 +203,22 @@ class BlockManager:
         num_tokens), the blocks its next tokens add (new blocks; copies of blocks shared inside the group)."""
         need = len(self._distinct(self.cpu_block_tables, seq_ids))
         if extents:
-            need += self._blocks_to_append(self.cpu_block_tables, self.cpu,
-                                           [(s, c, t) for s, (c, t) in zip(seq_ids, extents)])
+            need += self._blocks_to_append(
+                self.cpu_block_tables, self.cpu, [(s, c, t) for s, (c, t) in zip(seq_ids, extents)]
+            )
         return need <= self.gpu.num_free
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         return self._move(seq_ids, self.cpu_block_tables, self.block_tables, self.cpu, self.gpu)
 
-    def _move(self, seq_ids: list[int], src_tables: dict[int, list[int]], dst_tables: dict[int, list[int]],
-              src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+    def _move(
+        self,
+        seq_ids: list[int],
+        src_tables: dict[int, list[int]],
+        dst_tables: dict[int, list[int]],
+        src: BlockPool,
+        dst: BlockPool,
+    ) -> list[tuple[int, int]]:
         distinct = self._distinct(src_tables, seq_ids)
         if len(distinct) > dst.num_free:
             raise OutOfBlocks(f"moving {len(distinct)} blocks, {dst.num_free} free at the destination")

@@ -14,26 +14,35 @@ class EngineConfig:
 
     block_size: int = option(16, help="tokens per KV-cache block (PagedAttention page size)")
     kv_cache_memory_mb: float = option(
-        1024.0, help="KV-cache budget in MiB on the model's device; the pool gets as many blocks as fit (capped at "
-                     "what max_num_seqs sequences of max_model_len tokens could ever use)")
+        1024.0,
+        help="KV-cache budget in MiB on the model's device; the pool gets as many blocks as fit (capped at "
+        "what max_num_seqs sequences of max_model_len tokens could ever use)",
+    )
     num_kv_blocks: int | None = option(None, help="exact number of KV blocks (overrides kv_cache_memory_mb)")
-    swap_space_mb: float = option(1024.0, help="CPU block pool for swap preemption, in MiB (allocated only with "
-                                               "preemption_mode=swap)")
+    swap_space_mb: float = option(
+        1024.0, help="CPU block pool for swap preemption, in MiB (allocated only with preemption_mode=swap)"
+    )
     num_cpu_blocks: int | None = option(None, help="exact number of CPU swap blocks (overrides swap_space_mb)")
     max_num_seqs: int = option(256, help="most sequences in one step (the batch-size cap)")
     max_num_batched_tokens: int = option(2048, help="token budget of one step (prefill chunks + decodes)")
-    max_model_len: int | None = option(None, help="longest prompt + output; default: the model's "
-                                                  "max_position_embeddings")
+    max_model_len: int | None = option(
+        None, help="longest prompt + output; default: the model's max_position_embeddings"
+    )
     enable_chunked_prefill: bool = option(True, help="split long prompts across steps under the token budget")
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of identical prompt prefixes")
     preemption_mode: Literal["recompute", "swap"] = option(
-        "recompute", help="when blocks run out: free and re-prefill later, or move the blocks to CPU")
+        "recompute", help="when blocks run out: free and re-prefill later, or move the blocks to CPU"
+    )
     flush_denormal: bool = option(
-        True, help="flush denormal floats to zero while a step runs (CPU kernels slow down several-fold on them; "
-                   "the previous setting is restored after the step)")
+        True,
+        help="flush denormal floats to zero while a step runs (CPU kernels slow down several-fold on them; "
+        "the previous setting is restored after the step)",
+    )
     cpu_packed_weights: bool = option(
-        True, help="on CPU in fp32, run the projections on oneDNN-packed copies of the weights (faster GEMMs, one "
-                   "more copy of the projection weights in memory; repacked when the weights change)")
+        True,
+        help="on CPU in fp32, run the projections on oneDNN-packed copies of the weights (faster GEMMs, one "
+        "more copy of the projection weights in memory; repacked when the weights change)",
+    )
     seed: int = option(0, help="seed of the engine's generator for requests without their own seed")
     dtype: str | None = option(None, help="model dtype when loading from a path (default: the checkpoint's)")
     device: str | None = option(None, help="device when loading from a path (default: cuda if available)")
@@ -52,13 +61,20 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({self.max_num_seqs}) so every running sequence can decode each step")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if (not self.enable_chunked_prefill and self.max_model_len is not None
-                and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must "
-                             f"be >= max_model_len ({self.max_model_len}) so the longest prompt fits in one step")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must "
+                f"be >= max_model_len ({self.max_model_len}) so the longest prompt fits in one step"
+            )

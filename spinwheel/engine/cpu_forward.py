@@ -3,9 +3,10 @@
 ``nn.Linear`` on a CPU runs MKL's sgemm, which packs the weight operand anew on every call; for the few-row GEMMs
 of decode steps (M = the batch, against weights that stream from DRAM every step) that is a large share of the work.
 oneDNN, which PyTorch ships, can reorder a weight once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) and then run ``_linear_pointwise`` on it. Measured on this project's benchmark machine (2 threads, the 28M-parameter
-benchmark model's 57 projections in sequence, weights cold): M = 8 rows 5.0 ms against 11-14 ms, M = 48 14.6-15.7 ms
-against 18-28 ms, M = 64 17.4-18.0 against 22-34 ms, and M = 2048 (a prefill step) 450-480 ms against 520-560 ms.
+(``torch.ops.mkldnn._reorder_linear_weight``) and then run ``_linear_pointwise`` on it. Measured on this project's
+benchmark machine (2 threads, the 28M-parameter benchmark model's 57 projections in sequence, weights cold): M = 8
+rows 5.0 ms against 11-14 ms, M = 48 14.6-15.7 ms against 18-28 ms, M = 64 17.4-18.0 against 22-34 ms, and M = 2048
+(a prefill step) 450-480 ms against 520-560 ms.
 
 :class:`PackedWeights` keeps the packed copies (q/k/v fused into one matrix, gate/up into another, as vLLM's
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do, so each layer runs four GEMMs) and repacks a group as soon as
@@ -96,7 +97,8 @@ class _Packed:
     def stale(self) -> bool:
         params = self._params()
         return len(params) != len(self.source) or any(
-            p is not q or _version(p) != v for p, (q, v) in zip(params, self.source))
+            p is not q or _version(p) != v for p, (q, v) in zip(params, self.source)
+        )
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -104,8 +106,9 @@ class _Packed:
         w = ws[0] if len(ws) == 1 else torch.cat(ws)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _BATCH_HINT)
         if any(m.bias is not None for m in self.linears):
-            self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                   for m in self.linears])
+            self.bias = torch.cat(
+                [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in self.linears]
+            )
         else:
             self.bias = None
         self.source = [(p, _version(p)) for p in self._params()]
@@ -126,8 +129,14 @@ class PackedWeights:
         self.layers: list[tuple[_Packed, _Packed, _Packed, _Packed]] = []
         for layer in model.layers:
             att, mlp = layer.self_attn, layer.mlp
-            self.layers.append((_Packed([att.q_proj, att.k_proj, att.v_proj]), _Packed([att.o_proj]),
-                                _Packed([mlp.gate_proj, mlp.up_proj]), _Packed([mlp.down_proj])))
+            self.layers.append(
+                (
+                    _Packed([att.q_proj, att.k_proj, att.v_proj]),
+                    _Packed([att.o_proj]),
+                    _Packed([mlp.gate_proj, mlp.up_proj]),
+                    _Packed([mlp.down_proj]),
+                )
+            )
         self.lm_head = _Packed([model.lm_head])
         self.refresh()
         nbytes = sum(p.weight.numel() * 4 for group in self.layers for p in group)  # type: ignore[union-attr]
@@ -150,9 +159,16 @@ def _rms_norm(x: torch.Tensor, norm: RMSNorm, fused: bool) -> torch.Tensor:
     return norm(x)
 
 
-def hidden_states(model: Transformer, packed: PackedWeights, input_ids: torch.Tensor, positions: torch.Tensor,
-                  meta: PagedAttentionMetadata, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                  fused: bool) -> torch.Tensor:
+def hidden_states(
+    model: Transformer,
+    packed: PackedWeights,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    fused: bool,
+) -> torch.Tensor:
     """input_ids, positions (N,) -> final normalised hidden states (N, C). New K/V go to the caches at
     ``meta.slot_mapping`` (the runner has checked those slots). ``fused``: use the C kernels of
     :mod:`spinwheel.engine.cpu_kernels` for RMSNorm, RoPE + K/V writes and silu * up, else PyTorch ops."""
@@ -166,8 +182,9 @@ def hidden_states(model: Transformer, packed: PackedWeights, input_ids: torch.Te
         h_dim, g_dim = att.q_proj.out_features, att.k_proj.out_features
         qkv = qkv_p(_rms_norm(x, layer.input_layernorm, fused))  # (N, (H + 2G) * D)
         if fused and att.q_norm is None:
-            q, k, v = cpu_kernels.rope_qkv(qkv, h_dim // d, g_dim // d, cos, sin, k_caches[i], v_caches[i],
-                                           meta.slot_mapping)
+            q, k, v = cpu_kernels.rope_qkv(
+                qkv, h_dim // d, g_dim // d, cos, sin, k_caches[i], v_caches[i], meta.slot_mapping
+            )
         else:
             q, k, v = (t.view(n, -1, d) for t in qkv.split([h_dim, g_dim, g_dim], dim=1))
             if att.q_norm is not None and att.k_norm is not None:

@@ -55,8 +55,7 @@ def _source() -> str:
 
 # -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only (the softmax
 # starts from -inf).
-_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared",
-          "-fPIC"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC"]
 # tried in order: OpenMP (run in torch's thread pool) and AVX where the compiler and the loader allow
 _VARIANTS = (["-fopenmp", "-march=native"], ["-fopenmp"], ["-march=native"], [])
 
@@ -68,8 +67,10 @@ def _compile(source: str, compiler: str, flags: list[str], out_path: str) -> boo
         src = f.name
     tmp_out = f"{out_path}.{os.getpid()}.tmp"
     try:
-        if subprocess.run([compiler, *_FLAGS, *flags, src, "-o", tmp_out], capture_output=True,
-                          timeout=120).returncode != 0:
+        if (
+            subprocess.run([compiler, *_FLAGS, *flags, src, "-o", tmp_out], capture_output=True, timeout=120).returncode
+            != 0
+        ):
             return False
         os.replace(tmp_out, out_path)  # atomic: concurrent builders never load a half-written file
         return True
@@ -154,19 +155,30 @@ def _check_f32(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
 
 
-def check_decode_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int,
-                        block_size: int) -> None:
+def check_decode_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
     """The C code trusts its indices: every block id must exist and every context fit its table."""
     if block_tables.numel() == 0:
         return
-    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks or int(context_lens.min()) < 1 or \
-            int(context_lens.max()) > block_tables.shape[1] * block_size:
+    if (
+        int(block_tables.min()) < 0
+        or int(block_tables.max()) >= num_blocks
+        or int(context_lens.min()) < 1
+        or int(context_lens.max()) > block_tables.shape[1] * block_size
+    ):
         raise ValueError("paged_decode_attention: block table or context length out of range")
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
-                           checked: bool = False) -> None:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    checked: bool = False,
+) -> None:
     """One query token per sequence: q (S, H, D), caches (num_blocks, block_size, G, D), block_tables
     (S, max_blocks) int64, context_lens (S,) int64 (keys per sequence, this step's token included) -> ``out``
     (S, H, D), written in place. q, caches and out: contiguous fp32 CPU tensors. ``checked``: the caller has run
@@ -175,19 +187,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     s, h, d = q.shape
     num_blocks, bs, g, _ = k_cache.shape
     _check_f32(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
-    if (h % g or out.shape != q.shape or v_cache.shape != k_cache.shape or k_cache.shape[3] != d
-            or block_tables.shape[0] != s or context_lens.shape != (s,)):
+    if (
+        h % g
+        or out.shape != q.shape
+        or v_cache.shape != k_cache.shape
+        or k_cache.shape[3] != d
+        or block_tables.shape[0] != s
+        or context_lens.shape != (s,)
+    ):
         raise ValueError("paged_decode_attention: inconsistent shapes")
-    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or \
-            not block_tables.is_contiguous() or not context_lens.is_contiguous():
+    if (
+        block_tables.dtype != torch.int64
+        or context_lens.dtype != torch.int64
+        or not block_tables.is_contiguous()
+        or not context_lens.is_contiguous()
+    ):
         block_tables, context_lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64)
         context_lens = context_lens.contiguous()
     if s == 0:
         return
     if not checked:
         check_decode_tables(block_tables, context_lens, num_blocks, bs)
-    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-       out.data_ptr(), s, h, g, d, bs, block_tables.shape[1], d ** -0.5, torch.get_num_threads())
+    fn(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        s,
+        h,
+        g,
+        d,
+        bs,
+        block_tables.shape[1],
+        d**-0.5,
+        torch.get_num_threads(),
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -212,9 +248,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rope_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-             k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-             slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused projection qkv (N, (H + 2G) * D) and cos/sin (N, D/2) -> q (N, H, D) and k (N, G, D) with
     rotate-half RoPE, v (N, G, D); with caches (num_blocks, block_size, G, D) and ``slot_mapping`` (N,) int64, k
     and v are also written to their cache slots (the slots must exist: the runner checks them once per step)."""
@@ -227,10 +270,29 @@ def rope_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Te
     kc = vc = slots = 0
     if k_cache is not None and v_cache is not None and slot_mapping is not None:
         _check_f32(k_cache=k_cache, v_cache=v_cache)
-        if k_cache.shape[2:] != (g, d) or v_cache.shape != k_cache.shape or slot_mapping.shape != (n,) or \
-                slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        if (
+            k_cache.shape[2:] != (g, d)
+            or v_cache.shape != k_cache.shape
+            or slot_mapping.shape != (n,)
+            or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+        ):
             raise ValueError("rope_qkv: cache or slot_mapping does not match")
         kc, vc, slots = k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr()
-    _require().rope_qkv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                        kc, vc, slots, n, h, g, d, torch.get_num_threads())
+    _require().rope_qkv(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        kc,
+        vc,
+        slots,
+        n,
+        h,
+        g,
+        d,
+        torch.get_num_threads(),
+    )
     return q, k, v

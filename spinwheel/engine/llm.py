@@ -22,8 +22,9 @@ from spinwheel.models.transformer import Transformer
 
 
 class LLM:
-    def __init__(self, model_or_path: Transformer | str | os.PathLike, tokenizer: Tokenizer | None = None,
-                 **engine_config: Any) -> None:
+    def __init__(
+        self, model_or_path: Transformer | str | os.PathLike, tokenizer: Tokenizer | None = None, **engine_config: Any
+    ) -> None:
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_config) - names)
         if unknown:
@@ -43,9 +44,12 @@ class LLM:
     def model(self) -> Transformer:
         return self.engine.model
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -76,13 +80,26 @@ class LLM:
             bar.close()
         return [results[r] for r in ids]
 
-    def beam_search(self, prompts: str | list[str] | list[list[int]], beam_width: int = 4, max_tokens: int = 16,
-                    length_penalty: float = 1.0, early_stopping: bool | str = False,
-                    ignore_eos: bool = False) -> list[RequestOutput]:
+    def beam_search(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        beam_width: int = 4,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        ignore_eos: bool = False,
+    ) -> list[RequestOutput]:
         """Beam search with Hugging Face ``generate(num_beams=beam_width)`` semantics; each output holds the
         ``beam_width`` best hypotheses, best first."""
-        params = SamplingParams(n=beam_width, use_beam_search=True, temperature=0.0, max_tokens=max_tokens,
-                                length_penalty=length_penalty, early_stopping=early_stopping, ignore_eos=ignore_eos)
+        params = SamplingParams(
+            n=beam_width,
+            use_beam_search=True,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            ignore_eos=ignore_eos,
+        )
         return self.generate(prompts, params)
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:

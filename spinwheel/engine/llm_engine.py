@@ -23,7 +23,7 @@ from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.outputs import RequestOutput
-from spinwheel.engine.sampler import SampleRow, Sampler
+from spinwheel.engine.sampler import Sampler, SampleRow
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
@@ -75,15 +75,17 @@ class StepInfo:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: Transformer, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.runner = ModelRunner(model, config, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.num_cpu_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.runner.num_cpu_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(config.seed)
         eos = model.config.eos_token_id
@@ -102,8 +104,9 @@ class LLMEngine:
         self.last_progress_time = time.monotonic()
 
     @classmethod
-    def from_pretrained(cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None,
-                        tokenizer: Tokenizer | None = None) -> "LLMEngine":
+    def from_pretrained(
+        cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None
+    ) -> LLMEngine:
         """Load a checkpoint directory or preset on ``config.device`` (default: cuda when available) with its
         tokenizer (unless one is given)."""
         from spinwheel.models import load_model, load_tokenizer
@@ -123,8 +126,13 @@ class LLMEngine:
         self.output_processor.eos_ids = set(ids)
 
     # ---- requests ----
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request (text or token ids). One that can never fit finishes with an error on the next step."""
         params = params or SamplingParams()
         if request_id in self._groups:
@@ -234,14 +242,20 @@ class LLMEngine:
         for b in beams:
             b.pending_logprobs = None
         choices, group.finished_beams, group.beam_improvable, done = beam_step(
-            logprobs, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams],
-            beams[0].num_output_tokens, group.params, self.eos_ids, group.finished_beams, group.beam_improvable)
+            logprobs,
+            [b.cumulative_logprob for b in beams],
+            [b.output_token_ids for b in beams],
+            beams[0].num_output_tokens,
+            group.params,
+            self.eos_ids,
+            group.finished_beams,
+            group.beam_improvable,
+        )
         self.num_generated_tokens += len(beams)
         self.scheduler.continue_beams(group, beams, [] if done else choices)
         return len(group.seqs)
 
-    def _outputs(self, out: SchedulerOutput, touched: dict[str, SequenceGroup],
-                 stream: bool) -> list[RequestOutput]:
+    def _outputs(self, out: SchedulerOutput, touched: dict[str, SequenceGroup], stream: bool) -> list[RequestOutput]:
         """Free finished sequences; outputs of the groups touched this step (all of them with ``stream``) and of
         those that finished, failed or were aborted."""
         self.last_step = StepInfo(out.num_decode_tokens, out.num_tokens - out.num_decode_tokens, out.num_preempted)
@@ -266,10 +280,19 @@ class LLMEngine:
         if len(self._recent) >= 2:
             span = self._recent[-1][0] - self._recent[0][0]
             rate = sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
-        return EngineStats(len(sch.running), len(sch.waiting), len(sch.swapped),
-                           bm.num_used_blocks / bm.gpu.num_blocks, bm.num_free_blocks, bm.gpu.num_blocks,
-                           sch.num_preemptions, bm.prefix_cache_hit_rate, self.num_prompt_tokens,
-                           self.num_generated_tokens, rate)
+        return EngineStats(
+            len(sch.running),
+            len(sch.waiting),
+            len(sch.swapped),
+            bm.num_used_blocks / bm.gpu.num_blocks,
+            bm.num_free_blocks,
+            bm.gpu.num_blocks,
+            sch.num_preemptions,
+            bm.prefix_cache_hit_rate,
+            self.num_prompt_tokens,
+            self.num_generated_tokens,
+            rate,
+        )
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(slots in device blocks held by sequences, slots holding a computed token), counting shared blocks once."""

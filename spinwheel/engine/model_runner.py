@@ -86,9 +86,15 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # decodes go through the fused C kernel (one call per layer, blocks read in place) where it applies
         self.fused_decode = device.type == "cpu" and dtype == torch.float32 and load_kernels() is not None
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB on %s), %d CPU swap blocks (%.1f MiB)",
-                    self.num_blocks, bs, self.kv_cache_bytes / 2**20, device, self.num_cpu_blocks,
-                    self.num_cpu_blocks * block_bytes / 2**20)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB on %s), %d CPU swap blocks (%.1f MiB)",
+            self.num_blocks,
+            bs,
+            self.kv_cache_bytes / 2**20,
+            device,
+            self.num_cpu_blocks,
+            self.num_cpu_blocks * block_bytes / 2**20,
+        )
         self.packed: cpu_forward.PackedWeights | None = None
         self.install()
         # on CPU: oneDNN-packed weights and fused element-wise kernels (see cpu_forward)
@@ -180,13 +186,20 @@ class ModelRunner:
         for s in prefills:
             start, n = s.seq.num_computed_tokens, s.num_new_tokens
             table = block_tables[s.seq.seq_id]
-            spans.append(PrefillSpan(len(input_ids), n, start + n,
-                                     torch.tensor(table[:-(-(start + n) // bs)], dtype=torch.long, device=dev)))
-            input_ids += s.seq.token_ids[start:start + n]
+            spans.append(
+                PrefillSpan(
+                    len(input_ids),
+                    n,
+                    start + n,
+                    torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long, device=dev),
+                )
+            )
+            input_ids += s.seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev),
-                                      self._decode_metadata(decodes, block_tables), spans)
+        meta = PagedAttentionMetadata(
+            torch.tensor(slots, dtype=torch.long, device=dev), self._decode_metadata(decodes, block_tables), spans
+        )
         if self.fused_decode:  # the C code trusts indices: check this step's tables and slots once, for all layers
             for b in meta.decodes:
                 check_decode_tables(b.block_tables, b.context_lens, self.num_blocks, bs)  # type: ignore[arg-type]
@@ -211,12 +224,18 @@ class ModelRunner:
                 sample_rows[s.seq.seq_id] = len(picks)
                 picks.append(row + n - 1)
             row += n
-        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), meta, picks, sample_rows,
-                          prompt_rows)
+        return StepInputs(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            picks,
+            sample_rows,
+            prompt_rows,
+        )
 
-    def _decode_metadata(self, decodes: list[ScheduledSequence],
-                         block_tables: dict[int, list[int]]) -> list[DecodeBucket]:
+    def _decode_metadata(
+        self, decodes: list[ScheduledSequence], block_tables: dict[int, list[int]]
+    ) -> list[DecodeBucket]:
         """Decode buckets: padded block tables, context lengths and (for the PyTorch path) the additive mask."""
         bs, dev = self.block_size, self.model.device
         buckets: list[DecodeBucket] = []
@@ -241,10 +260,19 @@ class ModelRunner:
         """The model over the flat batch -> hidden states (N, C) before the LM head."""
         if self.packed is not None:
             self.packed.refresh()  # a trainer sharing the model may have changed weights in place
-            return cpu_forward.hidden_states(self.model, self.packed, inputs.input_ids, inputs.positions,
-                                             inputs.meta, self.k_caches, self.v_caches, self.fused_decode)
-        return self.model(inputs.input_ids[None], positions=inputs.positions[None], attn_metadata=inputs.meta,
-                          return_hidden=True)[0]
+            return cpu_forward.hidden_states(
+                self.model,
+                self.packed,
+                inputs.input_ids,
+                inputs.positions,
+                inputs.meta,
+                self.k_caches,
+                self.v_caches,
+                self.fused_decode,
+            )
+        return self.model(
+            inputs.input_ids[None], positions=inputs.positions[None], attn_metadata=inputs.meta, return_hidden=True
+        )[0]
 
     @torch.inference_mode()
     def select_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> StepLogits:

@@ -37,10 +37,11 @@ class OutputProcessor:
             hits = [(text.find(s), s) for s in params.stop if s and s in text]
             if hits:
                 pos, stop = min(hits)
-                seq.text = text[:pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+                seq.text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-        if not seq.status.is_finished and (seq.num_output_tokens >= params.max_tokens
-                                           or seq.num_tokens >= self.max_model_len):
+        if not seq.status.is_finished and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             seq.status = SequenceStatus.FINISHED_LENGTH
 
     @staticmethod
@@ -73,23 +74,56 @@ class OutputProcessor:
         if params.use_beam_search:
             if group.is_finished and group.error is None and group.finished_beams:
                 for i, f in enumerate(group.finished_beams):
-                    outs.append(CompletionOutput(i, self.decode(f.token_ids, params), list(f.token_ids),
-                                                 f.cumulative_logprob, None, f.finish_reason, score=f.score))
+                    outs.append(
+                        CompletionOutput(
+                            i,
+                            self.decode(f.token_ids, params),
+                            list(f.token_ids),
+                            f.cumulative_logprob,
+                            None,
+                            f.finish_reason,
+                            score=f.score,
+                        )
+                    )
             else:
                 reason = None if not group.is_finished else ("error" if group.error else "abort")
                 for i, s in enumerate(group.seqs or []):
-                    outs.append(CompletionOutput(i, self.decode(s.output_token_ids, params), s.output_token_ids,
-                                                 s.cumulative_logprob, None, reason))
+                    outs.append(
+                        CompletionOutput(
+                            i,
+                            self.decode(s.output_token_ids, params),
+                            s.output_token_ids,
+                            s.cumulative_logprob,
+                            None,
+                            reason,
+                        )
+                    )
         else:
             for s in sorted(group.seqs, key=lambda s: s.index):
                 text = s.text if isinstance(s.stop_reason, str) else self.decode(s.output_token_ids, params)
-                outs.append(CompletionOutput(s.index, text, s.output_token_ids, s.cumulative_logprob,
-                                             s.logprobs if params.logprobs is not None else None,
-                                             s.status.finish_reason, s.stop_reason))
+                outs.append(
+                    CompletionOutput(
+                        s.index,
+                        text,
+                        s.output_token_ids,
+                        s.cumulative_logprob,
+                        s.logprobs if params.logprobs is not None else None,
+                        s.status.finish_reason,
+                        s.stop_reason,
+                    )
+                )
         metrics = {"arrival_time": group.arrival_time}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
         if group.finish_time is not None:
             metrics["finish_time"] = group.finish_time
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.is_finished,
-                             group.prompt_logprobs, group.error, metrics)
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            outs,
+            group.is_finished,
+            group.prompt_logprobs,
+            group.error,
+            metrics,
+        )

@@ -75,8 +75,9 @@ class Sampler:
         if all(is_greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            temps = torch.tensor([1.0 if g else row.params.temperature for g, row in zip(is_greedy, rows)],
-                                 device=logits.device)
+            temps = torch.tensor(
+                [1.0 if g else row.params.temperature for g, row in zip(is_greedy, rows)], device=logits.device
+            )
             scaled = logits / temps[:, None]
             scaled = self._truncate(scaled, rows)
             probs = torch.softmax(scaled, dim=-1)
@@ -105,8 +106,12 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        need = [i for i, row in enumerate(rows) if row.params.needs_penalties or
-                (row.params.min_tokens and row.seq.num_output_tokens < row.params.min_tokens)]
+        need = [
+            i
+            for i, row in enumerate(rows)
+            if row.params.needs_penalties
+            or (row.params.min_tokens and row.seq.num_output_tokens < row.params.min_tokens)
+        ]
         if not need:
             return logits
         logits = logits.clone()
@@ -147,6 +152,5 @@ class Sampler:
         if any(m > 0 for m in min_p):
             probs = torch.softmax(logits, dim=-1)
             ms = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)
-            logits = logits.masked_fill(probs < ms[:, None] * probs.max(dim=-1, keepdim=True).values,
-                                        float("-inf"))
+            logits = logits.masked_fill(probs < ms[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         return logits

@@ -54,25 +54,46 @@ class SamplingParams:
         # Range checks are written so that NaN fails them (NaN compares false to everything).
         _check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
-               f"top_k must be an integer >= 1, or 0 or -1 for off, got {self.top_k!r}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            f"top_k must be an integer >= 1, or 0 or -1 for off, got {self.top_k!r}",
+        )
         _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0, "repetition_penalty",
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             _check(-2 <= getattr(self, name) <= 2, name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value >= 0), name,
-                   f"{name} must be None or an integer >= 0, got {value!r}")
-        _check(self.early_stopping in (True, False, "never"), "early_stopping",
-               f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        _check(not self.use_beam_search or self.temperature in (0, 1.0), "temperature",
-               "beam search is deterministic: leave temperature at its default")
+            _check(
+                value is None or (isinstance(value, int) and value >= 0),
+                name,
+                f"{name} must be None or an integer >= 0, got {value!r}",
+            )
+        _check(
+            self.early_stopping in (True, False, "never"),
+            "early_stopping",
+            f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
+        )
+        _check(
+            not self.use_beam_search or self.temperature in (0, 1.0),
+            "temperature",
+            "beam search is deterministic: leave temperature at its default",
+        )
 
     @property
     def greedy(self) -> bool:

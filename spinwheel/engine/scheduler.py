@@ -72,16 +72,20 @@ class Scheduler:
         if group.width > self.config.max_num_seqs:
             return f"n={group.width} exceeds max_num_seqs={self.config.max_num_seqs}"
         if prompt_len + max_tokens > self.max_model_len:
-            return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds "
-                    f"the model context of {self.max_model_len} tokens")
+            return (
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds "
+                f"the model context of {self.max_model_len} tokens"
+            )
         bm = self.block_manager
         prompt_blocks = bm.num_blocks_for(prompt_len)
         # Worst case: every sequence of the group writes its own copy of all blocks past the shared prompt.
         worst = prompt_blocks + group.width * (bm.num_blocks_for(prompt_len + max_tokens) - prompt_blocks + 1)
         if min(worst, group.width * bm.num_blocks_for(prompt_len + max_tokens)) > bm.gpu.num_blocks:
-            return (f"the request needs up to {worst} KV blocks of {bm.block_size} tokens "
-                    f"(prompt {prompt_len} + max_tokens {max_tokens}, width {group.width}) but the whole KV pool "
-                    f"has {bm.gpu.num_blocks}")
+            return (
+                f"the request needs up to {worst} KV blocks of {bm.block_size} tokens "
+                f"(prompt {prompt_len} + max_tokens {max_tokens}, width {group.width}) but the whole KV pool "
+                f"has {bm.gpu.num_blocks}"
+            )
         return None
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -188,8 +192,11 @@ class Scheduler:
             group = self.swapped[0]
             seqs = group.seqs_with(SequenceStatus.SWAPPED)
             ids, extents = [s.seq_id for s in seqs], [(self._write_start(group, s), s.num_tokens) for s in seqs]
-            if (num_seqs + len(seqs) > self.config.max_num_seqs or budget < len(seqs)
-                    or not bm.can_swap_in(ids, extents)):
+            if (
+                num_seqs + len(seqs) > self.config.max_num_seqs
+                or budget < len(seqs)
+                or not bm.can_swap_in(ids, extents)
+            ):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += bm.swap_in(ids)
@@ -209,8 +216,10 @@ class Scheduler:
             status = bm.can_allocate([s.token_ids for s in seqs], shared)
             if status == AllocStatus.NEVER:  # cannot happen to a request _never_fits let in: fail it, never stall
                 self.waiting.popleft()
-                group.error = (f"internal error: the request's {sum(s.num_tokens for s in seqs)} tokens do not fit "
-                               f"in the KV pool of {bm.gpu.num_blocks} blocks")
+                group.error = (
+                    f"internal error: the request's {sum(s.num_tokens for s in seqs)} tokens do not fit "
+                    f"in the KV pool of {bm.gpu.num_blocks} blocks"
+                )
                 for s in group.unfinished_seqs():
                     s.status = SequenceStatus.FINISHED_ERROR
                 out.failed.append(group)

@@ -22,8 +22,11 @@ class ScheduledSequence:
         seq, params = self.seq, self.group.params
         self.completes = seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens
         # once the group has forked its prompt logprobs are complete (a recompute does not score them again)
-        self.scores_prompt = (params.prompt_logprobs is not None and not self.group.forked
-                              and seq.num_computed_tokens < seq.num_prompt_tokens)
+        self.scores_prompt = (
+            params.prompt_logprobs is not None
+            and not self.group.forked
+            and seq.num_computed_tokens < seq.num_prompt_tokens
+        )
 
 
 @dataclass

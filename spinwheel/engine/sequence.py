@@ -35,8 +35,12 @@ class SequenceStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
-_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED,
-             SequenceStatus.FINISHED_ERROR}
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_ERROR,
+}
 
 
 class Sequence:
@@ -57,8 +61,10 @@ class Sequence:
         self.pending_logprobs: torch.Tensor | None = None  # beam search: (V,) waiting for the other beams
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"{self.status.value})")
+        return (
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"{self.status.value})"
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -70,11 +76,11 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def is_prefill(self) -> bool:
@@ -87,7 +93,7 @@ class Sequence:
         if top_logprobs is not None:
             self.logprobs.append(top_logprobs)
 
-    def fork(self, seq_id: int, index: int) -> "Sequence":
+    def fork(self, seq_id: int, index: int) -> Sequence:
         child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
         child.seq_id, child.index = seq_id, index

@@ -6,6 +6,18 @@ from spinwheel.models.presets import PRESETS, preset_config
 from spinwheel.models.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from spinwheel.models.transformer import Transformer, token_logprobs
 
-__all__ = ["ModelConfig", "ConfigError", "CheckpointError", "Transformer", "token_logprobs", "load_model",
-           "load_state_dict", "save_pretrained", "PRESETS", "preset_config", "Tokenizer", "TokenizerError",
-           "load_tokenizer"]
+__all__ = [
+    "ModelConfig",
+    "ConfigError",
+    "CheckpointError",
+    "Transformer",
+    "token_logprobs",
+    "load_model",
+    "load_state_dict",
+    "save_pretrained",
+    "PRESETS",
+    "preset_config",
+    "Tokenizer",
+    "TokenizerError",
+    "load_tokenizer",
+]

@@ -13,8 +13,11 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_CLS_ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                      "qwen3": "Qwen3ForSequenceClassification"}
+_CLS_ARCHITECTURES = {
+    "llama": "LlamaForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+}
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -57,38 +60,54 @@ class ModelConfig:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
                     f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                    f"({self.num_attention_heads}), or set head_dim explicitly")
+                    f"({self.num_attention_heads}), or set head_dim explicitly"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"config key '{key}' must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_key_value_heads}) for grouped-query attention")
+                f"({self.num_key_value_heads}) for grouped-query attention"
+            )
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"unsupported model_type '{self.model_type}': spinwheel supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+                f"unsupported model_type '{self.model_type}': spinwheel supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if self.hidden_act != "silu":
             raise ConfigError(f"config key 'hidden_act' must be 'silu' (SwiGLU), got {self.hidden_act!r}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in _SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"config key 'rope_scaling.rope_type' must be one of {_SUPPORTED_ROPE_TYPES}, "
-                                  f"got {rope_type!r}")
+                raise ConfigError(
+                    f"config key 'rope_scaling.rope_type' must be one of {_SUPPORTED_ROPE_TYPES}, got {rope_type!r}"
+                )
             if rope_type == "default":
                 self.rope_scaling = None
         if self.rms_norm_eps <= 0:
             raise ConfigError(f"config key 'rms_norm_eps' must be > 0, got {self.rms_norm_eps}")
         if self.num_labels is not None:
             if self.num_labels != 1:
-                raise ConfigError(f"config key 'num_labels' must be 1 (a scalar reward / value head; spinwheel has "
-                                  f"no multi-class heads), got {self.num_labels!r}")
+                raise ConfigError(
+                    f"config key 'num_labels' must be 1 (a scalar reward / value head; spinwheel has "
+                    f"no multi-class heads), got {self.num_labels!r}"
+                )
             if self.tie_word_embeddings:
-                raise ConfigError("a scalar-head model (num_labels 1) cannot tie its score head to the embeddings; "
-                                  "set tie_word_embeddings to false")
+                raise ConfigError(
+                    "a scalar-head model (num_labels 1) cannot tie its score head to the embeddings; "
+                    "set tie_word_embeddings to false"
+                )
 
     @property
     def num_outputs(self) -> int:
@@ -109,17 +128,18 @@ class ModelConfig:
 
     # ---- Hugging Face config.json ----
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a parsed HF ``config.json``; unsupported architectures raise :class:`ConfigError`."""
         if not isinstance(d, dict):
             raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type is None:
-            raise ConfigError("config.json has no 'model_type' (expected one of "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ConfigError(f"config.json has no 'model_type' (expected one of {', '.join(SUPPORTED_MODEL_TYPES)})")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type '{model_type}' in config.json: spinwheel supports "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ConfigError(
+                f"unsupported model_type '{model_type}' in config.json: spinwheel supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         for key in required:
             if key not in d:
@@ -145,18 +165,29 @@ class ModelConfig:
         if num_labels is not None:
             known |= {"id2label", "label2id"}
         kwargs: dict[str, Any] = dict(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads"), head_dim=d.get("head_dim"),
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads"),
+            head_dim=d.get("head_dim"),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=rope_scaling, attention_bias=attention_bias, mlp_bias=bool(d.get("mlp_bias", False)),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            attention_bias=attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             # A sequence classifier has no LM head, so nothing is tied whatever the flag says.
             tie_word_embeddings=num_labels is None and bool(d.get("tie_word_embeddings", False)),
-            model_type=model_type, bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"), hidden_act=d.get("hidden_act", "silu"),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"), num_labels=num_labels,
+            model_type=model_type,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+            hidden_act=d.get("hidden_act", "silu"),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            num_labels=num_labels,
             extra={k: v for k, v in d.items() if k not in known},
         )
         return cls(**kwargs)
@@ -172,18 +203,31 @@ class ModelConfig:
         d.update(
             architectures=[(_CLS_ARCHITECTURES if scalar else _ARCHITECTURES)[self.model_type]],
             model_type=self.model_type,
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
-            rope_parameters=rope_parameters, tie_word_embeddings=self.tie_word_embeddings,
-            hidden_act=self.hidden_act, bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id, torch_dtype=self.torch_dtype, dtype=self.torch_dtype,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
+            rope_parameters=rope_parameters,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act=self.hidden_act,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            torch_dtype=self.torch_dtype,
+            dtype=self.torch_dtype,
         )
         if scalar:
-            d.update(id2label={str(i): f"LABEL_{i}" for i in range(self.num_labels)},  # type: ignore[arg-type]
-                     label2id={f"LABEL_{i}": i for i in range(self.num_labels)})  # type: ignore[arg-type]
+            d.update(
+                id2label={str(i): f"LABEL_{i}" for i in range(self.num_labels)},  # type: ignore[arg-type]
+                label2id={f"LABEL_{i}": i for i in range(self.num_labels)},
+            )  # type: ignore[arg-type]
         if self.model_type == "llama":
             d.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
         if self.model_type == "qwen3":

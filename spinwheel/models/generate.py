@@ -11,9 +11,16 @@ from spinwheel.models.transformer import Transformer
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-             pad_id: int = 0, temperature: float = 0.0, seed: int | None = None,
-             batch_size: int = 256) -> list[list[int]]:
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | None,
+    pad_id: int = 0,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    batch_size: int = 256,
+) -> list[list[int]]:
     """Complete each prompt (token ids) with up to ``max_new_tokens`` tokens; greedy when ``temperature == 0``.
 
     Returns the new tokens of each prompt, stopping after (and excluding) ``eos_id``.
@@ -27,21 +34,31 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     gen = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        out.extend(_generate_batch(model, prompts[start:start + batch_size], max_new_tokens, eos_id, pad_id,
-                                   temperature, gen))
+        out.extend(
+            _generate_batch(
+                model, prompts[start : start + batch_size], max_new_tokens, eos_id, pad_id, temperature, gen
+            )
+        )
     model.train(was_training)
     return out
 
 
-def _generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-                    pad_id: int, temperature: float, gen: torch.Generator | None) -> list[list[int]]:
+def _generate_batch(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | None,
+    pad_id: int,
+    temperature: float,
+    gen: torch.Generator | None,
+) -> list[list[int]]:
     device = model.device
     b, longest = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((b, longest), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((b, longest), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):  # left padding: every row's next token is at the last column
-        ids[i, longest - len(p):] = torch.tensor(p, device=device)
-        mask[i, longest - len(p):] = 1
+        ids[i, longest - len(p) :] = torch.tensor(p, device=device)
+        mask[i, longest - len(p) :] = 1
     done = torch.zeros(b, dtype=torch.bool, device=device)
     new_tokens = []
     for _ in range(max_new_tokens):
@@ -63,6 +80,6 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens
     result = []
     for row in tokens:
         if eos_id is not None and eos_id in row:
-            row = row[:row.index(eos_id)]
+            row = row[: row.index(eos_id)]
         result.append(row)
     return result

@@ -30,8 +30,15 @@ if TYPE_CHECKING:
     from spinwheel.models.tokenizer import Tokenizer
 
 _HF_PREFIX = "model."
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 class CheckpointError(ValueError):
@@ -53,7 +60,7 @@ def hf_key(name: str, scalar_head: bool = False) -> str:
     """spinwheel parameter name -> HF name (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``; the output
     layer is ``lm_head.weight``, or ``score.weight`` for a scalar head)."""
     if name.startswith("lm_head."):
-        return _SCORE + name[len("lm_head."):] if scalar_head else name
+        return _SCORE + name[len("lm_head.") :] if scalar_head else name
     return _HF_PREFIX + name
 
 
@@ -87,8 +94,10 @@ def _weight_files(path: Path) -> list[Path]:
         return [single]
     found = sorted(path.glob("*.safetensors"))
     if not found:
-        raise CheckpointError(f"{path}: no model.safetensors (or sharded *.safetensors with "
-                              "model.safetensors.index.json) in the checkpoint directory")
+        raise CheckpointError(
+            f"{path}: no model.safetensors (or sharded *.safetensors with "
+            "model.safetensors.index.json) in the checkpoint directory"
+        )
     return found
 
 
@@ -98,16 +107,20 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     for f in _weight_files(Path(path)):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                name = key[len(_HF_PREFIX):] if key.startswith(_HF_PREFIX) else key
+                name = key[len(_HF_PREFIX) :] if key.startswith(_HF_PREFIX) else key
                 if name.startswith(_SCORE):  # a sequence classifier's head is our output layer
-                    name = "lm_head." + name[len(_SCORE):]
+                    name = "lm_head." + name[len(_SCORE) :]
                 out[name] = sf.get_tensor(key)
     return out
 
 
-def load_model(path_or_preset: str | os.PathLike, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None, seed: int = 0, vocab_size: int | None = None
-               ) -> Transformer:
+def load_model(
+    path_or_preset: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> Transformer:
     """Load a checkpoint directory or a Hugging Face Hub id (through the local HF cache, see
     :mod:`~spinwheel.models.hub`), or build a built-in preset (``tiny``, ``small``, ``test``) with random weights.
 
@@ -140,16 +153,22 @@ def load_model(path_or_preset: str | os.PathLike, dtype: str | torch.dtype | Non
     scalar = config.num_labels is not None
     missing = [k for k in expected if k not in state]
     if missing:
-        raise CheckpointError(f"{path}: missing tensor '{hf_key(missing[0], scalar)}'"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{path}: missing tensor '{hf_key(missing[0], scalar)}'"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     unexpected = [k for k in state if k not in expected and not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
-        raise CheckpointError(f"{path}: unexpected tensor '{hf_key(unexpected[0], scalar)}' for a "
-                              f"{config.model_type} model with this config.json")
+        raise CheckpointError(
+            f"{path}: unexpected tensor '{hf_key(unexpected[0], scalar)}' for a "
+            f"{config.model_type} model with this config.json"
+        )
     for name, ref in expected.items():
         if tuple(state[name].shape) != tuple(ref.shape):
-            raise CheckpointError(f"{path}: tensor '{hf_key(name, scalar)}' has shape {tuple(state[name].shape)}, "
-                                  f"expected {tuple(ref.shape)} from config.json")
+            raise CheckpointError(
+                f"{path}: tensor '{hf_key(name, scalar)}' has shape {tuple(state[name].shape)}, "
+                f"expected {tuple(ref.shape)} from config.json"
+            )
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)
     # to_empty left the non-persistent RoPE buffer uninitialised; it is not in the file, so recompute it.
@@ -183,18 +202,24 @@ def special_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> dict[
     """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for ``config.json``: the config's own where set, else
     the tokenizer's; EOS is every id either names (a chat model may end turns with a token other than its
     config's EOS)."""
-    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else (
-        [] if config.eos_token_id is None else [config.eos_token_id])
+    eos = (
+        config.eos_token_id
+        if isinstance(config.eos_token_id, list)
+        else ([] if config.eos_token_id is None else [config.eos_token_id])
+    )
     if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos:
         eos = [tokenizer.eos_id, *eos]
     tok = {"bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id} if tokenizer is not None else {}
-    return {"bos_token_id": config.bos_token_id if config.bos_token_id is not None else tok.get("bos_token_id"),
-            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-            "pad_token_id": config.pad_token_id if config.pad_token_id is not None else tok.get("pad_token_id")}
+    return {
+        "bos_token_id": config.bos_token_id if config.bos_token_id is not None else tok.get("bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": config.pad_token_id if config.pad_token_id is not None else tok.get("pad_token_id"),
+    }
 
 
-def save_pretrained(model: Transformer, path: str | os.PathLike, shard_size_bytes: int | None = None,
-                    tokenizer: Tokenizer | None = None) -> None:
+def save_pretrained(
+    model: Transformer, path: str | os.PathLike, shard_size_bytes: int | None = None, tokenizer: Tokenizer | None = None
+) -> None:
     """Write ``config.json``, ``generation_config.json`` and safetensors (sharded when ``shard_size_bytes`` is set
     and exceeded), and ``tokenizer``'s files when given (its special-token ids then go into both configs)."""
     path = Path(path)

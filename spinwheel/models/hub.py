@@ -47,8 +47,11 @@ def _reason(e: Exception) -> str:
     cause = e.__cause__ or e
     first = (str(cause).strip().splitlines() or [""])[0]
     text = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
-    return "the Hub is unreachable (" + (text if len(text) <= 120 else text[:117] + "...") + ")" \
-        if "Connect" in type(cause).__name__ or "Timeout" in type(cause).__name__ else text
+    return (
+        "the Hub is unreachable (" + (text if len(text) <= 120 else text[:117] + "...") + ")"
+        if "Connect" in type(cause).__name__ or "Timeout" in type(cause).__name__
+        else text
+    )
 
 
 def resolve_model_path(name: str | os.PathLike) -> str | os.PathLike:
@@ -71,8 +74,10 @@ def resolve_model_path(name: str | os.PathLike) -> str | os.PathLike:
         raise HubModelError(
             f"{repo_id}: not a checkpoint directory or a preset ({', '.join(PRESETS)}), and not in the local "
             f"Hugging Face cache ({constants.HF_HUB_CACHE}); downloading it failed: {_reason(e)}. Download it where "
-            f"there is network (`hf download {repo_id}`), or pass a local directory") from None
+            f"there is network (`hf download {repo_id}`), or pass a local directory"
+        ) from None
     if not _complete(downloaded):
-        raise HubModelError(f"{repo_id}: the Hub model has no config.json and *.safetensors weights (spinwheel reads "
-                            "safetensors only)")
+        raise HubModelError(
+            f"{repo_id}: the Hub model has no config.json and *.safetensors weights (spinwheel reads safetensors only)"
+        )
     return downloaded

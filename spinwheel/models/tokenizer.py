@@ -41,8 +41,14 @@ def _token_text(tok: Any) -> str | None:
 class Tokenizer:
     """Text <-> token ids, special-token ids and chat rendering."""
 
-    def __init__(self, backend: HFTokenizer, bos_token: str | None = None, eos_token: str | None = None,
-                 pad_token: str | None = None, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
         self.backend = backend
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.chat_template = chat_template
@@ -62,7 +68,7 @@ class Tokenizer:
 
     # ---- construction ----
     @classmethod
-    def char_level(cls, alphabet: str = CHAR_ALPHABET) -> "Tokenizer":
+    def char_level(cls, alphabet: str = CHAR_ALPHABET) -> Tokenizer:
         """The built-in character tokenizer: ids 0..3 are <pad>, <bos>, <eos>, <unk>; then one id per character."""
         vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK])}
         for ch in alphabet:
@@ -72,18 +78,21 @@ class Tokenizer:
         backend.decoder = decoders.Fuse()
         backend.add_special_tokens([PAD, BOS, EOS, UNK])
         # Like Llama's tokenizers: encoding with special tokens prepends BOS.
-        backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
-                                                               special_tokens=[(BOS, vocab[BOS])])
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+        )
         return cls(backend, BOS, EOS, PAD, DEFAULT_CHAT_TEMPLATE)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json`` / ``special_tokens_map.json`` when present)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise TokenizerError(f"{tok_file}: no tokenizer.json in {path} (spinwheel reads the 'tokenizers' "
-                                 "format; convert slow tokenizers with transformers first)")
+            raise TokenizerError(
+                f"{tok_file}: no tokenizer.json in {path} (spinwheel reads the 'tokenizers' "
+                "format; convert slow tokenizers with transformers first)"
+            )
         try:
             backend = HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # the Rust library raises a plain Exception
@@ -103,21 +112,32 @@ class Tokenizer:
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        return cls(backend, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")),
-                   _token_text(cfg.get("pad_token")), template)
+        return cls(
+            backend,
+            _token_text(cfg.get("bos_token")),
+            _token_text(cfg.get("eos_token")),
+            _token_text(cfg.get("pad_token")),
+            template,
+        )
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
-               "eos_token": self.eos_token, "pad_token": self.pad_token, "unk_token": UNK
-               if self.backend.token_to_id(UNK) is not None else None,
-               "clean_up_tokenization_spaces": False, "model_max_length": 1 << 30}
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "unk_token": UNK if self.backend.token_to_id(UNK) is not None else None,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1 << 30,
+        }
         if self.chat_template:
             cfg["chat_template"] = self.chat_template
-        (path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None},
-                                                               indent=2) + "\n")
+        (path / "tokenizer_config.json").write_text(
+            json.dumps({k: v for k, v in cfg.items() if v is not None}, indent=2) + "\n"
+        )
 
     # ---- use ----
     @property
@@ -149,8 +169,11 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except TemplateError as e:
             raise TokenizerError(f"chat template cannot be rendered: {e}") from None
 

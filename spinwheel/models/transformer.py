@@ -107,8 +107,9 @@ class SDPAAttention(nn.Module):
     q (B, T, H, D), k/v (B, T, G, D) -> (B, T, H, D). Key/value heads are repeated for grouped-query attention.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMask | None,
-                layer_idx: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMask | None, layer_idx: int
+    ) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
@@ -183,8 +184,9 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def build_attention_mask(attention_mask: torch.Tensor | None, seq_ids: torch.Tensor | None,
-                         t: int, device: torch.device) -> AttentionMask:
+def build_attention_mask(
+    attention_mask: torch.Tensor | None, seq_ids: torch.Tensor | None, t: int, device: torch.device
+) -> AttentionMask:
     """Combine causality with padding (``attention_mask`` (B, T), 1 = real token) and packing (``seq_ids`` (B, T):
     tokens attend only within the same packed sequence). Returns ``AttentionMask(None)`` for plain causal."""
     if attention_mask is None and seq_ids is None:
@@ -202,8 +204,13 @@ def build_attention_mask(attention_mask: torch.Tensor | None, seq_ids: torch.Ten
     return AttentionMask(mask)
 
 
-def run_blocks(blocks: Iterable[nn.Module], rotary: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor,
-               attn_metadata: object) -> torch.Tensor:
+def run_blocks(
+    blocks: Iterable[nn.Module],
+    rotary: RotaryEmbedding,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    attn_metadata: object,
+) -> torch.Tensor:
     """The decoder stack: hidden states x (B, T, C) at ``positions`` (B, T) through ``blocks`` -> (B, T, C).
 
     :meth:`Transformer.forward` runs every block; a pipeline stage runs its own slice of them.
@@ -234,7 +241,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def init_weights(self, seed: int | None = None, std: float = 0.02) -> "Transformer":
+    def init_weights(self, seed: int | None = None, std: float = 0.02) -> Transformer:
         """Random init (normal(0, std) for matrices and embeddings, ones for norms, zeros for biases)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():
@@ -255,9 +262,15 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
-                attn_metadata: object = None, return_hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        seq_ids: torch.Tensor | None = None,
+        attn_metadata: object = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V), values (B, T, 1) for a scalar head, or final hidden states
         (B, T, C) with ``return_hidden``.
 

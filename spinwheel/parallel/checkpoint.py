@@ -24,8 +24,14 @@ from spinwheel.parallel.zero import ZeroDataParallel
 
 def _layout(pm: ParallelModel) -> dict:
     d = pm.dims
-    return {"world_size": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-            "pp": d.pp, "dp_kind": pm.dp_kind}
+    return {
+        "world_size": d.world_size,
+        "dp_replicate": d.dp_replicate,
+        "dp_shard": d.dp_shard,
+        "tp": d.tp,
+        "pp": d.pp,
+        "dp_kind": pm.dp_kind,
+    }
 
 
 def _barrier(pm: ParallelModel) -> None:
@@ -40,8 +46,12 @@ def save_sharded(trainer, path: str | os.PathLike) -> None:
     pm = trainer.pm
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    state = {"layout": _layout(pm), "model": pm.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-             "num_steps": trainer.num_steps}
+    state = {
+        "layout": _layout(pm),
+        "model": pm.module.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "num_steps": trainer.num_steps,
+    }
     if isinstance(pm.module, ZeroDataParallel):  # mixed precision keeps separate fp32 masters
         state["masters"] = [bk.master.detach() for bk in pm.module.buckets]
     torch.save(state, out / f"rank{pm.dims.rank:05d}.pt")
@@ -55,12 +65,15 @@ def load_sharded(trainer, path: str | os.PathLike) -> None:
     pm = trainer.pm
     file = Path(path) / f"rank{pm.dims.rank:05d}.pt"
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no shard for rank {pm.dims.rank}; was the checkpoint saved with "
-                                f"{pm.dims.world_size} processes?")
+        raise FileNotFoundError(
+            f"{file}: no shard for rank {pm.dims.rank}; was the checkpoint saved with {pm.dims.world_size} processes?"
+        )
     state = torch.load(file, map_location="cpu", weights_only=False)
     if state["layout"] != _layout(pm):
-        raise ValueError(f"{path}: saved with layout {state['layout']}, but this run is {_layout(pm)}; resume "
-                         "with the same degrees, or consolidate with save_hf and start from the HF checkpoint")
+        raise ValueError(
+            f"{path}: saved with layout {state['layout']}, but this run is {_layout(pm)}; resume "
+            "with the same degrees, or consolidate with save_hf and start from the HF checkpoint"
+        )
     pm.module.load_state_dict(state["model"])
     if "masters" in state:
         with torch.no_grad():
@@ -100,7 +113,8 @@ def save_hf(pm: ParallelModel, path: str | os.PathLike) -> None:
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("rotary")]
         if missing or unexpected:
-            raise RuntimeError(f"consolidated state does not match the model: missing {missing}, "
-                               f"unexpected {unexpected}")
+            raise RuntimeError(
+                f"consolidated state does not match the model: missing {missing}, unexpected {unexpected}"
+            )
         save_pretrained(model, path)
     _barrier(pm)

@@ -91,8 +91,9 @@ class Comm:
         work = dist.all_reduce(tensor, op=op, group=axis.group, async_op=True)
         return self._finish(work, async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis, op=ReduceOp.SUM,
-                       async_op: bool = False) -> Handle:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, axis, op=ReduceOp.SUM, async_op: bool = False
+    ) -> Handle:
         """``output`` (Ψ/N,) = this rank's slice of the sum of every rank's ``input`` (Ψ,) (counted as Ψ)."""
         self._count("reduce_scatter", axis, input.numel(), input)
         if axis.size == 1:

@@ -26,13 +26,21 @@ class ParallelConfig:
     dp: int = option(-1, help="data-parallel degree; -1 = world size / (tp·pp)")
     tp: int = option(1, help="tensor-parallel degree (Megatron): splits heads, MLP and vocabulary")
     pp: int = option(1, help="pipeline-parallel degree: number of stages the layers are cut into")
-    zero: int = option(0, help="ZeRO stage over the data-parallel axis: 0 = DDP, 1 = optimizer state sharded, "
-                               "2 = + gradients, 3 = + parameters", choices=(0, 1, 2, 3))
+    zero: int = option(
+        0,
+        help="ZeRO stage over the data-parallel axis: 0 = DDP, 1 = optimizer state sharded, "
+        "2 = + gradients, 3 = + parameters",
+        choices=(0, 1, 2, 3),
+    )
     fsdp: bool = option(False, help="fully sharded data parallel (units per block, prefetch) instead of DDP/ZeRO")
-    hsdp: int = option(0, help="hybrid sharding: shard within groups of this many data-parallel ranks and "
-                               "replicate across groups (implies --fsdp); 0 = off")
-    microbatches: int = option(1, help="micro-batches per step: pipeline micro-batches with pp > 1, gradient "
-                                       "accumulation otherwise")
+    hsdp: int = option(
+        0,
+        help="hybrid sharding: shard within groups of this many data-parallel ranks and "
+        "replicate across groups (implies --fsdp); 0 = off",
+    )
+    microbatches: int = option(
+        1, help="micro-batches per step: pipeline micro-batches with pp > 1, gradient accumulation otherwise"
+    )
     schedule: Literal["gpipe", "1f1b"] = option("1f1b", help="pipeline schedule")
     remat: bool = option(False, help="re-materialise (checkpoint) each block's activations in backward")
     bucket_mb: float = option(25.0, help="gradient bucket size cap in MiB (DDP, ZeRO-1/2)")
@@ -59,18 +67,28 @@ class ParallelConfig:
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = self.dp if self.dp != -1 else world // (self.tp * self.pp)
         if dp < 1 or dp * self.tp * self.pp != world:
-            raise ParallelError(f"dp={self.dp} × tp={self.tp} × pp={self.pp} does not match the world of {world} "
-                                "processes; change the degrees or the number of processes (torchrun "
-                                "--nproc-per-node N)")
+            raise ParallelError(
+                f"dp={self.dp} × tp={self.tp} × pp={self.pp} does not match the world of {world} "
+                "processes; change the degrees or the number of processes (torchrun "
+                "--nproc-per-node N)"
+            )
         shard = self.hsdp if self.hsdp else dp
         if dp % shard:
             raise ParallelError(f"--hsdp {self.hsdp} must divide the data-parallel degree {dp}")
-        return ParallelDims.create(dp_replicate=dp // shard, dp_shard=shard, tp=self.tp, pp=self.pp,
-                                   timeout_s=self.timeout_s, comm=Comm(self.timeout_s))
+        return ParallelDims.create(
+            dp_replicate=dp // shard,
+            dp_shard=shard,
+            tp=self.tp,
+            pp=self.pp,
+            timeout_s=self.timeout_s,
+            comm=Comm(self.timeout_s),
+        )
 
     def check_batch(self, batch_size: int, dp: int, what: str = "--batch-size") -> None:
         """The one batch-divisibility rule: every data-parallel rank gets whole micro-batches of equal size."""
         m = self.microbatches
         if batch_size % (dp * m):
-            raise ParallelError(f"{what} {batch_size} must be divisible by the data-parallel degree × "
-                                f"--microbatches = {dp} × {m}; change one of them")
+            raise ParallelError(
+                f"{what} {batch_size} must be divisible by the data-parallel degree × "
+                f"--microbatches = {dp} × {m}; change one of them"
+            )

@@ -48,7 +48,7 @@ class _Bucket:
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
-        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -70,8 +70,9 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` for data parallelism over ``axis``; gradients are averaged over the axis."""
 
-    def __init__(self, module: nn.Module, axis: Axis, comm: Comm, bucket_mb: float = 25.0,
-                 broadcast: bool = True) -> None:
+    def __init__(
+        self, module: nn.Module, axis: Axis, comm: Comm, bucket_mb: float = 25.0, broadcast: bool = True
+    ) -> None:
         super().__init__()
         self.module = module
         self.axis = axis
@@ -79,8 +80,7 @@ class DistributedDataParallel(nn.Module):
         if broadcast:
             broadcast_module(module, axis, comm)
         params = unique_params(module)[::-1]
-        self._buckets = [_Bucket(ps, ps[0].dtype, ps[0].device)
-                         for ps in make_buckets(params, int(bucket_mb * 2 ** 20))]
+        self._buckets = [_Bucket(ps, ps[0].dtype, ps[0].device) for ps in make_buckets(params, int(bucket_mb * 2**20))]
         self._where: dict[int, tuple[int, int]] = {}
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):

@@ -48,8 +48,9 @@ class UnitState(enum.Enum):
 class FlatParamUnit:
     """One FSDP unit: the parameters of ``module`` (not inside another unit), flattened and sharded."""
 
-    def __init__(self, name: str, refs: list[tuple[str, nn.Module, str, nn.Parameter]], shard_axis: Axis,
-                 comm: Comm) -> None:
+    def __init__(
+        self, name: str, refs: list[tuple[str, nn.Module, str, nn.Parameter]], shard_axis: Axis, comm: Comm
+    ) -> None:
         self.name = name
         self.axis, self.comm = shard_axis, comm
         self.refs: list[tuple[str, nn.Module, str, int]] = []  # (full name, owner module, attribute, param index)
@@ -67,10 +68,11 @@ class FlatParamUnit:
         padded = self.shard_size * shard_axis.size
         self.split_sizes = self.sizes + [padded - numel]
         dtype, device = self.params[0].dtype, self.params[0].device
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params] + [torch.zeros(padded - numel, dtype=dtype,
-                                                                                      device=device)])
+        flat = torch.cat(
+            [p.detach().reshape(-1) for p in self.params] + [torch.zeros(padded - numel, dtype=dtype, device=device)]
+        )
         r = shard_axis.rank
-        self.shard = nn.Parameter(flat[r * self.shard_size:(r + 1) * self.shard_size].clone())  # (s,)
+        self.shard = nn.Parameter(flat[r * self.shard_size : (r + 1) * self.shard_size].clone())  # (s,)
         # The gathered flat buffer is an autograd leaf whose storage comes and goes.
         self.full = flat.requires_grad_(True)  # (N·s,)
         self.nbytes = self.full.untyped_storage().nbytes()
@@ -126,9 +128,18 @@ class FullyShardedDataParallel(nn.Module):
     frees the root unit after forward too (ZeRO-3 accounting: every parameter gathered twice per step).
     """
 
-    def __init__(self, module: nn.Module, shard_axis: Axis, comm: Comm, replicate_axis: Axis | None = None,
-                 dp_axis: Axis | None = None, unit_modules: list[nn.Module] | None = None, prefetch: bool = True,
-                 reshard_root: bool = True, broadcast: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        shard_axis: Axis,
+        comm: Comm,
+        replicate_axis: Axis | None = None,
+        dp_axis: Axis | None = None,
+        unit_modules: list[nn.Module] | None = None,
+        prefetch: bool = True,
+        reshard_root: bool = True,
+        broadcast: bool = True,
+    ) -> None:
         super().__init__()
         self.module, self.comm = module, comm
         self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
@@ -146,7 +157,7 @@ class FullyShardedDataParallel(nn.Module):
         self.flat_shards = nn.ParameterList([u.shard for u in self.units])
         self._pending: list[tuple[FlatParamUnit, torch.Tensor, torch.Tensor, Handle]] = []
         self._callback_queued = False
-        for i, (unit, mod) in enumerate(zip(self.units[:-1], unit_modules)):
+        for i, (_unit, mod) in enumerate(zip(self.units[:-1], unit_modules)):
             mod.register_forward_pre_hook(self._make_pre_forward(i))
             mod.register_forward_hook(self._make_post_forward(i))
         for unit in self.units:
@@ -155,6 +166,7 @@ class FullyShardedDataParallel(nn.Module):
     def _build_units(self, unit_modules: list[nn.Module]) -> list[FlatParamUnit]:
         owner_of = {id(m): i for i, m in enumerate(unit_modules)}
         refs: list[list] = [[] for _ in range(len(unit_modules) + 1)]
+
         # Walk modules; a parameter belongs to the innermost unit module enclosing it (else to the root).
         def walk(mod: nn.Module, prefix: str, unit: int) -> None:
             unit = owner_of.get(id(mod), unit)
@@ -164,13 +176,13 @@ class FullyShardedDataParallel(nn.Module):
             for child_name, child in mod._modules.items():
                 if child is not None:
                     walk(child, f"{prefix}{child_name}.", unit)
+
         walk(self.module, "", len(unit_modules))
         units = []
         for i, r in enumerate(refs):
             if not r:
                 raise ValueError(f"FSDP unit {i} has no trainable parameters")
-            units.append(FlatParamUnit("root" if i == len(unit_modules) else f"unit{i}", r, self.shard_axis,
-                                       self.comm))
+            units.append(FlatParamUnit("root" if i == len(unit_modules) else f"unit{i}", r, self.shard_axis, self.comm))
         return units
 
     # -- hooks ---------------------------------------------------------------------------------------------------
@@ -192,6 +204,7 @@ class FullyShardedDataParallel(nn.Module):
             unit.set_views()
             if self.prefetch and not _in_backward() and i + 1 < len(self.units) - 1:
                 self.units[i + 1].unshard(async_op=True)
+
         return hook
 
     def _make_post_forward(self, i: int):
@@ -201,6 +214,7 @@ class FullyShardedDataParallel(nn.Module):
             self.units[i].reshard()
             self._hook_output(out, i)
             return out
+
         return hook
 
     def _hook_output(self, out, i: int) -> None:
@@ -220,6 +234,7 @@ class FullyShardedDataParallel(nn.Module):
                 if prev >= 0:
                     self.units[prev].unshard(async_op=True)
             return grad
+
         return hook
 
     def _make_post_backward(self, unit: FlatParamUnit):
@@ -230,6 +245,7 @@ class FullyShardedDataParallel(nn.Module):
             handle = self.comm.reduce_scatter(out, grad, self.shard_axis, async_op=True)
             self._pending.append((unit, out, grad, handle))
             unit.reshard()
+
         return hook
 
     def _finish_backward(self) -> None:

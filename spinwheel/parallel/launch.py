@@ -44,8 +44,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world_size
 
 
@@ -74,9 +73,11 @@ def launch(argv: list[str]) -> int:
 
     parser = get_args_parser()
     parser.prog, parser.usage = "spinwheel launch", "spinwheel launch [torchrun options] COMMAND [options]"
-    parser.description = ("torchrun for spinwheel: starts 'python -m spinwheel COMMAND [options]' on every process "
-                          "(torchrun's options, below) and exits with the workers' status, without torchrun's "
-                          "tracebacks.")
+    parser.description = (
+        "torchrun for spinwheel: starts 'python -m spinwheel COMMAND [options]' on every process "
+        "(torchrun's options, below) and exits with the workers' status, without torchrun's "
+        "tracebacks."
+    )
     for action in parser._actions:  # torchrun's positionals are the script and its arguments: here, a command
         if action.dest in ("training_script", "training_script_args"):
             action.metavar = "COMMAND" if action.dest == "training_script" else "OPTIONS"
@@ -105,10 +106,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue, timeout_s: float, threads: int,
-            backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+def _worker(
+    rank: int, world_size: int, port: int, fn, args: tuple, queue, timeout_s: float, threads: int, backend: str
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(threads)
     try:
         init_distributed(backend, timeout_s=timeout_s)
@@ -123,8 +126,9 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue, timeo
             pass
 
 
-def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0, threads: int = 1,
-          backend: str = "gloo") -> list[object]:
+def spawn(
+    fn, world_size: int, args: tuple = (), timeout_s: float = 240.0, threads: int = 1, backend: str = "gloo"
+) -> list[object]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes (gloo, or ``backend="nccl"`` with rank
     r on GPU r); returns the results by rank.
 
@@ -134,8 +138,12 @@ def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0, threa
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout_s, threads, backend),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, timeout_s, threads, backend), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -146,14 +154,16 @@ def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0, threa
         while len(results) + len(errors) < world_size:
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
-                raise TimeoutError(f"spawned ranks did not finish within {timeout_s}s "
-                                   f"({len(results)} of {world_size} done)\n" + "\n".join(errors))
+                raise TimeoutError(
+                    f"spawned ranks did not finish within {timeout_s}s "
+                    f"({len(results)} of {world_size} done)\n" + "\n".join(errors)
+                )
             try:
                 rank, status, payload = queue.get(timeout=min(left, 1.0))
             except Exception:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and not errors:
-                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode} without a report")
+                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode} without a report") from None
                 continue
             if status == "ok":
                 results[rank] = payload

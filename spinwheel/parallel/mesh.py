@@ -82,14 +82,22 @@ class ParallelDims:
             raise ParallelError(
                 f"parallel degrees multiply to {product} (dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard}"
                 f" × tp={self.tp} × pp={self.pp}) but the world has {self.world_size} processes; change the degrees "
-                f"or launch {product} processes (torchrun --nproc-per-node {product})")
+                f"or launch {product} processes (torchrun --nproc-per-node {product})"
+            )
         if not 0 <= self.rank < self.world_size:
             raise ParallelError(f"rank {self.rank} is outside the world of {self.world_size} processes")
 
     # ----------------------------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1,
-               timeout_s: float | None = None, comm: Comm | None = None) -> "ParallelDims":
+    def create(
+        cls,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        timeout_s: float | None = None,
+        comm: Comm | None = None,
+    ) -> ParallelDims:
         """Read the world from ``torch.distributed`` (size 1 when it is not initialised) and build the groups.
 
         ``dp_shard=-1`` takes whatever the other degrees leave.
@@ -100,11 +108,20 @@ class ParallelDims:
         if dp_shard == -1:
             rest = dp_replicate * tp * pp
             if world_size % rest:
-                raise ParallelError(f"dp_replicate × tp × pp = {rest} does not divide the world of {world_size} "
-                                    "processes; change the degrees")
+                raise ParallelError(
+                    f"dp_replicate × tp × pp = {rest} does not divide the world of {world_size} "
+                    "processes; change the degrees"
+                )
             dp_shard = world_size // rest
-        dims = cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size, rank=rank,
-                   comm=comm or Comm())
+        dims = cls(
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            tp=tp,
+            pp=pp,
+            world_size=world_size,
+            rank=rank,
+            comm=comm or Comm(),
+        )
         dims.build_groups(timeout_s)
         return dims
 
@@ -134,14 +151,22 @@ class ParallelDims:
 
     def build_groups(self, timeout_s: float | None = None) -> None:
         """Create one process group per (axis, slice). Every rank must call this in the same order."""
-        spec = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp_replicate", "dp_shard"), "dp_shard": ("dp_shard",),
-                "dp_replicate": ("dp_replicate",)}
+        spec = {
+            "tp": ("tp",),
+            "pp": ("pp",),
+            "dp": ("dp_replicate", "dp_shard"),
+            "dp_shard": ("dp_shard",),
+            "dp_replicate": ("dp_replicate",),
+        }
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         for name, along in spec.items():
             self.axes[name] = self._make_axis(name, self._groups_along(along), timeout)
         # First and last pipeline stage of each (dp, tp) column: they share tied embedding weights.
-        ends = [[g[0], g[-1]] for g in self._groups_along(("pp",))] if self.pp > 1 else [[r] for r in
-                                                                                           range(self.world_size)]
+        ends = (
+            [[g[0], g[-1]] for g in self._groups_along(("pp",))]
+            if self.pp > 1
+            else [[r] for r in range(self.world_size)]
+        )
         self.axes["pp_ends"] = self._make_axis("pp_ends", ends, timeout)
 
     def _make_axis(self, name: str, groups: list[list[int]], timeout: datetime.timedelta | None) -> Axis:
@@ -161,7 +186,7 @@ class ParallelDims:
             if self.world_size == 1:
                 self.axes[name] = _local_axis(name)
             else:
-                raise ParallelError(f"process groups are not built: call ParallelDims.create() or build_groups()")
+                raise ParallelError("process groups are not built: call ParallelDims.create() or build_groups()")
         return self.axes[name]
 
     @property
@@ -191,12 +216,17 @@ class ParallelDims:
     # ----------------------------------------------------------------------------------------------------------
     def validate_model(self, config) -> None:
         """Check that the model splits evenly: TP divides heads, KV heads, MLP width and vocabulary; PP ≤ layers."""
-        checks = [("num_attention_heads", config.num_attention_heads), ("num_key_value_heads",
-                  config.num_key_value_heads), ("intermediate_size", config.intermediate_size),
-                  ("vocab_size", config.vocab_size)]
+        checks = [
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_key_value_heads", config.num_key_value_heads),
+            ("intermediate_size", config.intermediate_size),
+            ("vocab_size", config.vocab_size),
+        ]
         for key, value in checks:
             if value % self.tp:
                 raise ParallelError(f"tp={self.tp} must divide the model's {key} ({value}); choose a tp that does")
         if self.pp > config.num_hidden_layers:
-            raise ParallelError(f"pp={self.pp} exceeds the model's {config.num_hidden_layers} layers; use pp ≤ "
-                                f"{config.num_hidden_layers}")
+            raise ParallelError(
+                f"pp={self.pp} exceeds the model's {config.num_hidden_layers} layers; use pp ≤ "
+                f"{config.num_hidden_layers}"
+            )

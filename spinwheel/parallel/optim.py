@@ -26,13 +26,12 @@ update does not depend on θ, so decaying first and stepping with ``weight_decay
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from spinwheel.parallel.comm import Comm
-from spinwheel.parallel.ddp import unique_params
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
 from spinwheel.parallel.mesh import Axis
 from spinwheel.parallel.parallelize import ParallelModel
@@ -131,7 +130,7 @@ def clip_grad_norm_(pm: ParallelModel, max_norm: float, comm: Comm) -> float:
         flat = sh.grad.reshape(-1)
         for seg in sh.segments:
             if seg.counted:
-                square += flat[seg.start:seg.stop].float().square().sum().double()
+                square += flat[seg.start : seg.stop].float().square().sum().double()
     for axis in (pm.dims.tp_axis, pm.dims.pp_axis, dp_axis):
         if axis is not None:
             comm.all_reduce(square, axis)
@@ -154,4 +153,4 @@ def apply_weight_decay(pm: ParallelModel, lr: float, weight_decay: float, rule: 
             flat = sh.param.view(-1)
             for seg in sh.segments:
                 if rule(seg.name, seg.ndim):
-                    flat[seg.start:seg.stop].mul_(factor)
+                    flat[seg.start : seg.stop].mul_(factor)

@@ -45,8 +45,16 @@ class ParallelModel:
     pipeline: PipelineSchedule | None = None
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, zero: int = 0, fsdp: bool = False, remat: bool = False,
-                bucket_mb: float = 25.0, schedule: str = "1f1b") -> ParallelModel:
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    zero: int = 0,
+    fsdp: bool = False,
+    remat: bool = False,
+    bucket_mb: float = 25.0,
+    schedule: str = "1f1b",
+) -> ParallelModel:
     """Cut, shard and wrap ``model`` for the layout ``dims`` (see the module docstring for the order)."""
     dims.validate_model(model.config)
     comm = dims.comm
@@ -58,16 +66,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, zero: int = 0, fsdp: bo
     if dims.pp > 1:
         tied = bool(model.config.tie_word_embeddings)
         if tied and (fsdp or zero >= 2):
-            raise ParallelError("tied embeddings across pipeline stages need zero 0 or 1 (their gradients are summed "
-                                "over the first and last stage before the data-parallel reduction); untie the "
-                                "embeddings or choose --zero 0/1")
+            raise ParallelError(
+                "tied embeddings across pipeline stages need zero 0 or 1 (their gradients are summed "
+                "over the first and last stage before the data-parallel reduction); untie the "
+                "embeddings or choose --zero 0/1"
+            )
         stage = PipelineStage(model, dims.pp_axis.rank, dims.pp)
     shard_dims = apply_tensor_parallel(stage, dims.tp_axis, comm)
     if remat:
         apply_remat(stage)
     if fsdp:
-        module: nn.Module = FullyShardedDataParallel(stage, dims.dp_shard_axis, comm,
-                                                     replicate_axis=dims.dp_replicate_axis, dp_axis=dims.dp_axis)
+        module: nn.Module = FullyShardedDataParallel(
+            stage, dims.dp_shard_axis, comm, replicate_axis=dims.dp_replicate_axis, dp_axis=dims.dp_axis
+        )
         kind = "hsdp" if dims.dp_replicate > 1 else "fsdp"
     elif zero == 3:
         module = FullyShardedDataParallel(stage, dims.dp_axis, comm, prefetch=False)

@@ -21,8 +21,9 @@ gradients are summed over the first/last-stage group (:func:`sync_tied_weights`)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -127,9 +128,16 @@ class PipelineStats:
 class PipelineSchedule:
     """Runs one training step of ``stage`` over micro-batches with the GPipe or 1F1B schedule."""
 
-    def __init__(self, stage: nn.Module, axis: Axis, comm: Comm, schedule: Schedule = "1f1b",
-                 hidden_size: int | None = None, dtype: torch.dtype | None = None,
-                 track_activations: bool = False) -> None:
+    def __init__(
+        self,
+        stage: nn.Module,
+        axis: Axis,
+        comm: Comm,
+        schedule: Schedule = "1f1b",
+        hidden_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        track_activations: bool = False,
+    ) -> None:
         if schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"unknown pipeline schedule '{schedule}': use 'gpipe' or '1f1b'")
         self.stage, self.axis, self.comm, self.schedule = stage, axis, comm, schedule
@@ -139,8 +147,12 @@ class PipelineSchedule:
         self.track_activations = track_activations
         self.stats = PipelineStats()
 
-    def step(self, microbatches: list[torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
-             module: nn.Module | None = None) -> torch.Tensor:
+    def step(
+        self,
+        microbatches: list[torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
+        module: nn.Module | None = None,
+    ) -> torch.Tensor:
         """Forward and backward every micro-batch; returns the summed loss on the last stage (0 elsewhere).
 
         ``microbatches``: token ids (b, T) per micro-batch (later stages use only their shapes); ``loss_fn(out, i)``
@@ -172,11 +184,13 @@ class PipelineSchedule:
             t0 = time.monotonic()
             seen: dict[int, int] = {}
             if self.track_activations:
+
                 def pack(t: torch.Tensor) -> torch.Tensor:
                     ptr = t.untyped_storage().data_ptr()
                     if ptr not in param_ptrs:
                         seen[ptr] = t.untyped_storage().nbytes()
                     return t
+
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = run(x)
             else:
@@ -236,8 +250,12 @@ class PipelineSchedule:
         return total
 
     @torch.no_grad()
-    def forward_only(self, microbatches: list[torch.Tensor], out_fn: Callable[[torch.Tensor, int], None],
-                     module: nn.Module | None = None) -> None:
+    def forward_only(
+        self,
+        microbatches: list[torch.Tensor],
+        out_fn: Callable[[torch.Tensor, int], None],
+        module: nn.Module | None = None,
+    ) -> None:
         """Forward every micro-batch through the stages without autograd (log-probs of old or reference policies):
         ``out_fn(out, i)`` receives the last stage's output for micro-batch i; nothing is kept for a backward."""
         run = module or self.stage
@@ -256,4 +274,3 @@ class PipelineSchedule:
                 sends.append((self.comm.isend(out, self.axis, s + 1), out))
         for handle, _ in sends:
             handle.wait()
-

@@ -149,8 +149,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis,
-                                 comm: Comm) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
     """Per-token cross-entropy (fp32) from vocab-sharded logits (..., V/tp) and targets (...) -> (...).
 
     Rank r holds vocabulary slice r; the max, the partition function and the target logit are each reduced over
@@ -158,11 +157,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ax
     """
     shape = targets.shape
     if axis.size == 1:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               reduction="none").view(shape)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        ).view(shape)
     vocab_start = axis.rank * logits.shape[-1]
-    loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), vocab_start,
-                                           axis, comm)
+    loss = _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), vocab_start, axis, comm
+    )
     return loss.view(shape)
 
 
@@ -190,8 +191,11 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str,
             for pname, dim in cls.shard_dims.items():
                 if getattr(new, pname, None) is not None:
                     shard_dims[f"layers.{idx}.{path}.{pname}"] = dim
-    tied = (getattr(model, "embed_tokens", None) is not None and getattr(model, "lm_head", None) is not None
-            and model.lm_head.weight is model.embed_tokens.weight)
+    tied = (
+        getattr(model, "embed_tokens", None) is not None
+        and getattr(model, "lm_head", None) is not None
+        and model.lm_head.weight is model.embed_tokens.weight
+    )
     if getattr(model, "embed_tokens", None) is not None:
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, axis, comm)
         shard_dims["embed_tokens.weight"] = 0

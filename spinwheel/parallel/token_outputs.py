@@ -49,8 +49,9 @@ def vocab_parallel_entropy(logits: torch.Tensor, axis: Axis, comm: Comm) -> torc
     return lse - sums[1] / sums[0]
 
 
-def token_outputs(out: torch.Tensor, labels: torch.Tensor, tp_axis: Axis, comm: Comm, *, scalar_head: bool,
-                  entropy: bool = False) -> TokenOutputs:
+def token_outputs(
+    out: torch.Tensor, labels: torch.Tensor, tp_axis: Axis, comm: Comm, *, scalar_head: bool, entropy: bool = False
+) -> TokenOutputs:
     """Turn the model's output (b, T, V or V/tp; (b, T, 1) for a scalar head) into :class:`TokenOutputs`."""
     if scalar_head:
         return TokenOutputs(values=out[..., 0].float())

@@ -66,16 +66,31 @@ class StepResult:
 class ParallelTrainer:
     """Owns the parallelized model and its optimizer (none for a frozen model); see the module docstring."""
 
-    def __init__(self, model: nn.Module, optimizer_factory: OptimizerFactory | None, config: ParallelConfig,
-                 dims: ParallelDims | None = None, *, max_grad_norm: float | None = None, weight_decay: float = 0.0,
-                 decays: DecayRule | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_factory: OptimizerFactory | None,
+        config: ParallelConfig,
+        dims: ParallelDims | None = None,
+        *,
+        max_grad_norm: float | None = None,
+        weight_decay: float = 0.0,
+        decays: DecayRule | None = None,
+    ) -> None:
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 (math.inf: measure only; None: off), got {max_grad_norm}")
         self.config = config
         self.dims = dims or config.make_dims()
         self.scalar_head = is_scalar_head(model.config)
-        self.pm = parallelize(model, self.dims, zero=config.zero, fsdp=config.fsdp, remat=config.remat,
-                              bucket_mb=config.bucket_mb, schedule=config.schedule)
+        self.pm = parallelize(
+            model,
+            self.dims,
+            zero=config.zero,
+            fsdp=config.fsdp,
+            remat=config.remat,
+            bucket_mb=config.bucket_mb,
+            schedule=config.schedule,
+        )
         self.optimizer = self.pm.module.make_optimizer(optimizer_factory) if optimizer_factory else None
         self.max_grad_norm = max_grad_norm
         self.weight_decay = weight_decay
@@ -132,16 +147,16 @@ class ParallelTrainer:
         return [{k: parts[k][i] for k in local} for i in range(m)]
 
     def _outputs(self, out: torch.Tensor, mb: Batch, entropy: bool) -> TokenOutputs:
-        return token_outputs(out, mb["labels"], self.dims.tp_axis, self.dims.comm, scalar_head=self.scalar_head,
-                             entropy=entropy)
+        return token_outputs(
+            out, mb["labels"], self.dims.tp_axis, self.dims.comm, scalar_head=self.scalar_head, entropy=entropy
+        )
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> float:
         """Gradients of the token-mean NLL (no optimizer step); returns the global loss."""
         weights = loss_mask.float() / loss_mask.sum().clamp(min=1).float()
         return self.loss_backward({"input_ids": input_ids, "labels": labels, "weights": weights}, nll_loss)[0]
 
-    def loss_backward(self, batch: Batch, loss_fn: LossFn, *, entropy: bool = False
-                      ) -> tuple[float, dict[str, float]]:
+    def loss_backward(self, batch: Batch, loss_fn: LossFn, *, entropy: bool = False) -> tuple[float, dict[str, float]]:
         """Gradients of the global loss, reduced as the layout needs; returns the global loss and stats."""
         dims, pm = self.dims, self.pm
         mbs = self._local_microbatches(batch)
@@ -169,8 +184,9 @@ class ParallelTrainer:
                 total = total + loss.detach().float()
         return self._reduce_report(total / scale, stat_sums, device)
 
-    def _reduce_report(self, total: torch.Tensor, stat_sums: dict[str, torch.Tensor], device: torch.device
-                       ) -> tuple[float, dict[str, float]]:
+    def _reduce_report(
+        self, total: torch.Tensor, stat_sums: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[float, dict[str, float]]:
         """Sum the loss and stats over data-parallel ranks and from the last pipeline stage (collective)."""
         dims = self.dims
         if self.pm.pipeline is not None:
@@ -180,8 +196,9 @@ class ParallelTrainer:
                 total = torch.zeros((), dtype=torch.float32, device=device)
                 stat_sums = {k: torch.zeros((), dtype=torch.float32, device=device) for k in names}
         keys = sorted(stat_sums)
-        packed = torch.stack([total.reshape(())] + [torch.as_tensor(stat_sums[k], device=device).reshape(())
-                                                    for k in keys]).to(device)
+        packed = torch.stack(
+            [total.reshape(())] + [torch.as_tensor(stat_sums[k], device=device).reshape(()) for k in keys]
+        ).to(device)
         self.report.all_reduce(packed, dims.dp_axis)
         self.report.all_reduce(packed, dims.pp_axis)
         values = packed.tolist()
@@ -205,9 +222,11 @@ class ParallelTrainer:
         pm.module.eval()
         try:
             if pm.pipeline is not None:
-                pm.pipeline.forward_only([mb["input_ids"] for mb in mbs],
-                                         lambda out, i: results.append(self._outputs(out, mbs[i], entropy)),
-                                         module=pm.module)
+                pm.pipeline.forward_only(
+                    [mb["input_ids"] for mb in mbs],
+                    lambda out, i: results.append(self._outputs(out, mbs[i], entropy)),
+                    module=pm.module,
+                )
             else:
                 results = [self._outputs(pm.module(mb["input_ids"]), mb, entropy) for mb in mbs]
         finally:
@@ -216,7 +235,7 @@ class ParallelTrainer:
         for r in results:  # empty on pipeline stages other than the last
             for j, name in enumerate(names):
                 part = getattr(r, name)
-                full[j, row:row + part.shape[0]] = part
+                full[j, row : row + part.shape[0]] = part
             row += names and getattr(r, names[0]).shape[0]
         # Every row is filled on exactly one (dp rank, last pp stage); tp ranks hold equal copies.
         self.report.all_reduce(full, dims.dp_axis)
@@ -226,16 +245,20 @@ class ParallelTrainer:
     # -- checkpoints (see spinwheel.parallel.checkpoint) ------------------------------------------------------------
     def save(self, path: str) -> None:
         from spinwheel.parallel.checkpoint import save_sharded
+
         save_sharded(self, path)
 
     def load(self, path: str) -> None:
         from spinwheel.parallel.checkpoint import load_sharded
+
         load_sharded(self, path)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from spinwheel.parallel.checkpoint import full_state_dict
+
         return full_state_dict(self.pm)
 
     def save_hf(self, path: str) -> None:
         from spinwheel.parallel.checkpoint import save_hf
+
         save_hf(self.pm, path)

@@ -47,9 +47,9 @@ class _FlatBucket:
         self.flat = torch.zeros(self.shard_size * axis.size, dtype=dtype, device=device)  # (N·s,)
         with torch.no_grad():
             for p, off in zip(params, self.offsets):
-                self.flat[off:off + p.numel()].copy_(p.data.view(-1))
-                p.data = self.flat[off:off + p.numel()].view_as(p)
-        self.shard = self.flat[axis.rank * self.shard_size:(axis.rank + 1) * self.shard_size]  # (s,)
+                self.flat[off : off + p.numel()].copy_(p.data.view(-1))
+                p.data = self.flat[off : off + p.numel()].view_as(p)
+        self.shard = self.flat[axis.rank * self.shard_size : (axis.rank + 1) * self.shard_size]  # (s,)
         # fp32 parameters: the master is the parameter slice itself; otherwise an fp32 copy (mixed precision).
         self.master = nn.Parameter(self.shard if dtype == master_dtype else self.shard.detach().to(master_dtype))
         self.shard_grad: torch.Tensor | None = None  # (s,), parameter dtype
@@ -61,23 +61,32 @@ class _FlatBucket:
     def grad_view(self, i: int) -> torch.Tensor:
         p, off = self.params[i], self.offsets[i]
         assert self.grad_buffer is not None
-        return self.grad_buffer[off:off + p.numel()].view_as(p)
+        return self.grad_buffer[off : off + p.numel()].view_as(p)
 
 
 class ZeroDataParallel(nn.Module):
     """ZeRO stage 1 or 2 over ``axis``. Build the optimizer with :meth:`make_optimizer`; gradients are averaged."""
 
-    def __init__(self, module: nn.Module, axis: Axis, comm: Comm, stage: int, bucket_mb: float = 25.0,
-                 master_dtype: torch.dtype = torch.float32, broadcast: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        axis: Axis,
+        comm: Comm,
+        stage: int,
+        bucket_mb: float = 25.0,
+        master_dtype: torch.dtype = torch.float32,
+        broadcast: bool = True,
+    ) -> None:
         super().__init__()
         if stage not in (1, 2):
-            raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}; stage 3 is FSDP "
-                             "(spinwheel.parallel.fsdp)")
+            raise ValueError(
+                f"ZeroDataParallel implements stages 1 and 2, got {stage}; stage 3 is FSDP (spinwheel.parallel.fsdp)"
+            )
         self.module, self.axis, self.comm, self.stage = module, axis, comm, stage
         if broadcast:
             broadcast_module(module, axis, comm)
         params = unique_params(module)[::-1]
-        self.buckets = [_FlatBucket(ps, axis, master_dtype) for ps in make_buckets(params, int(bucket_mb * 2 ** 20))]
+        self.buckets = [_FlatBucket(ps, axis, master_dtype) for ps in make_buckets(params, int(bucket_mb * 2**20))]
         self._where = {id(p): (b, i) for b, bk in enumerate(self.buckets) for i, p in enumerate(bk.params)}
         if stage == 1:
             for bk in self.buckets:
@@ -107,8 +116,10 @@ class ZeroDataParallel(nn.Module):
         b, i = self._where[id(p)]
         bk = self.buckets[b]
         if self.stage == 1 and self._reduced:
-            raise RuntimeError("ZeRO-1 reduced this step's gradients already: call optimizer.zero_grad() before the "
-                               "next backward, and accumulate micro-batches under no_sync()")
+            raise RuntimeError(
+                "ZeRO-1 reduced this step's gradients already: call optimizer.zero_grad() before the "
+                "next backward, and accumulate micro-batches under no_sync()"
+            )
         if bk.grad_buffer is None:  # stage 2: a transient buffer per backward
             bk.grad_buffer = torch.zeros_like(bk.flat)
         view = bk.grad_view(i)
@@ -148,7 +159,7 @@ class ZeroDataParallel(nn.Module):
                 # The reduced shard lives in this rank's own slice of the full gradient buffer (no extra copy
                 # persists): stage 1 holds Ψ gradients, of which 1/N are reduced.
                 lo = self.axis.rank * bk.shard_size
-                bk.shard_grad = bk.grad_buffer[lo:lo + bk.shard_size]
+                bk.shard_grad = bk.grad_buffer[lo : lo + bk.shard_size]
                 bk.shard_grad.copy_(bk.scattered)
             elif bk.shard_grad is None:
                 bk.shard_grad = bk.scattered
@@ -172,7 +183,7 @@ class ZeroDataParallel(nn.Module):
         self._finish_backward()
 
     # -- optimizer -----------------------------------------------------------------------------------------------
-    def make_optimizer(self, factory) -> "ZeroOptimizer":
+    def make_optimizer(self, factory) -> ZeroOptimizer:
         return ZeroOptimizer(self, factory([bk.master for bk in self.buckets]))
 
     def all_gather_params(self) -> None:
@@ -252,8 +263,7 @@ def memory_breakdown(model: nn.Module, optimizer) -> dict[str, int]:
         params, grads, masters = ps, [p.grad for p in ps], []
     param_ptrs = {t.untyped_storage().data_ptr() for t in params if t is not None}
     state = [t for t in optimizer_state_tensors(optimizer) if t.untyped_storage().data_ptr() not in param_ptrs]
-    return {"params": storage_bytes(params), "grads": storage_bytes(grads),
-            "optimizer": storage_bytes(state + masters)}
+    return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(state + masters)}
 
 
 def zero_memory_formula(stage: int, num_params: int, dp: int, mixed_precision: bool = False) -> dict[str, float]:

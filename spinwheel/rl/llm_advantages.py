@@ -116,8 +116,9 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tens
     return -beta * kl * m + scores.to(kl.dtype).unsqueeze(1) * final_token_mask(m)
 
 
-def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
-              lam: float = 0.95) -> tuple[Tensor, Tensor]:
+def token_gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
     """GAE-λ over each row's completion tokens; returns ``(advantages, returns)``, both (B, T), 0 outside the mask.
 
     ``rewards`` (B, T) from :func:`token_rewards`, ``values`` (B, T) the critic's ``V(s_t)`` for the state before

@@ -63,9 +63,7 @@ def ppo_clip_terms(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: 
     return -torch.minimum(ratio * advantages, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages)
 
 
-def ppo_clip_loss(
-    logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_range: float
-) -> tuple[Tensor, Stats]:
+def ppo_clip_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_range: float) -> tuple[Tensor, Stats]:
     """PPO clipped surrogate: ``-mean(min(r·A, clip(r, 1-ε, 1+ε)·A))`` with ``r = π_new / π_old``.
 
     stats: ``policy_loss``, ``approx_kl`` (k3), ``approx_kl_k1``, ``clip_frac`` (share of samples with

@@ -62,8 +62,9 @@ def token_weights(
         if length < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         return m / (m.shape[0] * length)
-    raise ValueError(f"unknown aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
-                     "'seq-mean-token-sum-norm'")
+    raise ValueError(
+        f"unknown aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'"
+    )
 
 
 def kl_per_token(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
@@ -215,6 +216,5 @@ def clipped_value_loss(
             clipped = torch.zeros_like(w)
         else:
             clipped = (terms > (values - returns).pow(2)).to(w.dtype)
-        stats = {"value_loss": loss.detach(), "value_clip_frac": (w * clipped).sum(),
-                 "value_mean": (w * values).sum()}
+        stats = {"value_loss": loss.detach(), "value_clip_frac": (w * clipped).sum(), "value_mean": (w * values).sum()}
     return loss, stats

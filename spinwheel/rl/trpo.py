@@ -33,8 +33,9 @@ def _identity(x: Tensor) -> Tensor:
 
 def flat_grad(output: Tensor, params: Sequence[nn.Parameter], create_graph: bool = False) -> Tensor:
     """Gradient of scalar ``output`` w.r.t. ``params``, flattened into one vector (zeros for unused)."""
-    grads = torch.autograd.grad(output, list(params), create_graph=create_graph, retain_graph=create_graph,
-                                allow_unused=True)
+    grads = torch.autograd.grad(
+        output, list(params), create_graph=create_graph, retain_graph=create_graph, allow_unused=True
+    )
     return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
 
 
@@ -116,12 +117,15 @@ def backtracking_line_search(
             surrogate = reduce(surrogate_fn().detach()).item()
             kl = reduce(kl_fn().detach()).item()
             if kl <= max_kl and surrogate > surrogate_old:
-                return True, {"kl": kl, "surrogate_improvement": surrogate - surrogate_old,
-                              "step_fraction": fraction, "backtracks": float(k)}
+                return True, {
+                    "kl": kl,
+                    "surrogate_improvement": surrogate - surrogate_old,
+                    "step_fraction": fraction,
+                    "backtracks": float(k),
+                }
             fraction *= backtrack_coef
         vector_to_parameters(old, params)
-    return False, {"kl": 0.0, "surrogate_improvement": 0.0, "step_fraction": 0.0,
-                   "backtracks": float(max_backtracks)}
+    return False, {"kl": 0.0, "surrogate_improvement": 0.0, "step_fraction": 0.0, "backtracks": float(max_backtracks)}
 
 
 def trust_region_step(
@@ -153,13 +157,20 @@ def trust_region_step(
     full_step = kl_radius_scale(direction, fvp(direction), max_kl) * direction
     stats = {"grad_norm": g.norm().item(), "expected_improvement": torch.dot(g, full_step).item(), **cg_stats}
     if line_search:
-        accepted, ls_stats = backtracking_line_search(params, full_step, surrogate_fn, kl_fn, max_kl,
-                                                      backtrack_coef, max_backtracks, reduce)
+        accepted, ls_stats = backtracking_line_search(
+            params, full_step, surrogate_fn, kl_fn, max_kl, backtrack_coef, max_backtracks, reduce
+        )
         return {**stats, **ls_stats, "accepted": float(accepted)}
     with torch.no_grad():
         surrogate_old = reduce(surrogate_fn().detach()).item()
         vector_to_parameters(parameters_to_vector(params) + full_step, params)
         surrogate = reduce(surrogate_fn().detach()).item()
         kl = reduce(kl_fn().detach()).item()
-    return {**stats, "kl": kl, "surrogate_improvement": surrogate - surrogate_old, "step_fraction": 1.0,
-            "backtracks": 0.0, "accepted": 1.0}
+    return {
+        **stats,
+        "kl": kl,
+        "surrogate_improvement": surrogate - surrogate_old,
+        "step_fraction": 1.0,
+        "backtracks": 0.0,
+        "accepted": 1.0,
+    }

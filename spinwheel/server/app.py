@@ -35,8 +35,14 @@ from spinwheel.server.limits import ServerLimits
 from spinwheel.server.metrics import ServerMetrics
 from spinwheel.server.middleware import RequestBodyMiddleware, api_key_auth, check_api_key, error_response
 from spinwheel.server.params import ServedModel
-from spinwheel.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, internal_error)
+from spinwheel.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    internal_error,
+)
 from spinwheel.server.tokenization import Tokenization
 from spinwheel.server.transport import ConnectionGuard
 
@@ -44,8 +50,14 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20, limits: ServerLimits | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        served_model_name: str,
+        api_key: str | None = None,
+        max_body_bytes: int = 1 << 20,
+        limits: ServerLimits | None = None,
+    ) -> None:
         if engine.tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer")
         check_api_key(api_key)
@@ -56,12 +68,15 @@ class OpenAIServer:
         self.limits = limits = limits or ServerLimits()
         self.metrics = ServerMetrics(engine)
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
-        self.guard = ConnectionGuard(limits.max_connections, limits.header_timeout_s, limits.stall_timeout_s,
-                                     limits.send_buffer_kb << 10)
-        self.metrics.watch(lambda: self.async_engine.num_unread_outputs,
-                           lambda: (len(self.guard.open), self.guard.stats))
-        self.served = ServedModel(served_model_name, engine.model.config.vocab_size, engine.max_model_len,
-                                  limits.max_sequences_per_request)
+        self.guard = ConnectionGuard(
+            limits.max_connections, limits.header_timeout_s, limits.stall_timeout_s, limits.send_buffer_kb << 10
+        )
+        self.metrics.watch(
+            lambda: self.async_engine.num_unread_outputs, lambda: (len(self.guard.open), self.guard.stats)
+        )
+        self.served = ServedModel(
+            served_model_name, engine.model.config.vocab_size, engine.max_model_len, limits.max_sequences_per_request
+        )
         count = self.metrics.count_error
         self.completions = Completions(self.served, self.tokenizer, self.async_engine, count)
         self.chat = ChatCompletions(self.served, self.tokenizer, self.async_engine, count)
@@ -99,9 +114,18 @@ class OpenAIServer:
 
         @app.get("/v1/models", dependencies=authorized)
         async def models() -> dict:
-            return {"object": "list", "data": [{
-                "id": self.model_name, "object": "model", "created": self.created, "owned_by": "spinwheel",
-                "max_model_len": self.engine.max_model_len}]}
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "spinwheel",
+                        "max_model_len": self.engine.max_model_len,
+                    }
+                ],
+            }
 
         @app.post("/v1/completions", dependencies=authorized)
         async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -145,9 +169,14 @@ class OpenAIServer:
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
-            return await _api_error(request, APIError(e.status_code, str(e.detail),
-                                                      type="not_found_error" if e.status_code == 404
-                                                      else "invalid_request_error"))
+            return await _api_error(
+                request,
+                APIError(
+                    e.status_code,
+                    str(e.detail),
+                    type="not_found_error" if e.status_code == 404 else "invalid_request_error",
+                ),
+            )
 
         @app.exception_handler(EngineDeadError)
         async def _engine_dead(request: Request, e: EngineDeadError) -> Response:

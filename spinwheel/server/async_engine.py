@@ -70,8 +70,12 @@ class _Stream:
 class AsyncEngine:
     """Drive an :class:`LLMEngine` from asyncio code: ``async for out in engine.generate(...)``."""
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None,
-                 idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[list[RequestOutput], float], None] | None = None,
+        idle_wait_s: float = 0.05,
+    ) -> None:
         self.engine = engine
         self._on_step = on_step
         self._idle_wait_s = idle_wait_s
@@ -95,8 +99,9 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---- asyncio side ----
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs as they progress; the last one has ``finished``. Leaving the
         loop early (a client that disconnected, a cancelled task) aborts the request and frees its blocks."""
         if not self.alive:

@@ -20,8 +20,9 @@ from spinwheel.server.protocol import APIError, ChatCompletionRequest, ChatMessa
 from spinwheel.server.streaming import Delta, chunk_envelope, stream_response
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                add_special_tokens: bool = False) -> list[int]:
+def render_chat(
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool = False
+) -> list[int]:
     """A conversation's prompt token ids: the chat template writes the special tokens itself."""
     turns = [{"role": m.role, "content": m.text()} for m in messages]
     try:
@@ -32,8 +33,9 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
 
 
 class ChatCompletions:
-    def __init__(self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine,
-                 on_error: Callable[[int], None]) -> None:
+    def __init__(
+        self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine, on_error: Callable[[int], None]
+    ) -> None:
         self.model, self.tokenizer, self.engine, self.on_error = model, tokenizer, engine, on_error
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -56,29 +58,64 @@ class ChatCompletions:
 
         if not body.stream:
             (out,) = await generation.collect(self.engine, request, rid, [ids], params)
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, top_k)
-                        if want_lp and c.logprobs is not None else None,
-                        "finish_reason": c.finish_reason} for c in out.outputs]
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                                 "model": self.model.name, "choices": choices, "usage": generation.usage([ids], [out])})
+            choices = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, top_k)
+                    if want_lp and c.logprobs is not None
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in out.outputs
+            ]
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": self.model.name,
+                    "choices": choices,
+                    "usage": generation.usage([ids], [out]),
+                }
+            )
 
         def render(d: Delta) -> list[dict]:
             c = d.output
             chunks = []
             if d.first:
-                chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None})
-            new_tokens = c.token_ids[d.start_token:]
+                chunks.append(
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            new_tokens = c.token_ids[d.start_token :]
             if not d.text and d.finish_reason is None and not (want_lp and new_tokens):
                 return chunks
-            lp = (chat_logprobs(self.tokenizer, new_tokens, c.logprobs[d.start_token:], top_k)
-                  if want_lp and c.logprobs is not None else None)
-            chunks.append({"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                           "finish_reason": d.finish_reason})
+            lp = (
+                chat_logprobs(self.tokenizer, new_tokens, c.logprobs[d.start_token :], top_k)
+                if want_lp and c.logprobs is not None
+                else None
+            )
+            chunks.append(
+                {
+                    "index": c.index,
+                    "delta": {"content": d.text} if d.text else {},
+                    "logprobs": lp,
+                    "finish_reason": d.finish_reason,
+                }
+            )
             return chunks
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return stream_response(generation.run(self.engine, rid, [ids], params), params.stop, render,
-                               chunk_envelope(rid, "chat.completion.chunk", created, self.model.name),
-                               len(ids) if include_usage else None, self.on_error)
+        return stream_response(
+            generation.run(self.engine, rid, [ids], params),
+            params.stop,
+            render,
+            chunk_envelope(rid, "chat.completion.chunk", created, self.model.name),
+            len(ids) if include_usage else None,
+            self.on_error,
+        )

@@ -21,8 +21,9 @@ from spinwheel.server.streaming import Delta, chunk_envelope, stream_response
 
 
 class Completions:
-    def __init__(self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine,
-                 on_error: Callable[[int], None]) -> None:
+    def __init__(
+        self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine, on_error: Callable[[int], None]
+    ) -> None:
         self.model, self.tokenizer, self.engine, self.on_error = model, tokenizer, engine, on_error
 
     def _tokenize(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
@@ -57,31 +58,47 @@ class Completions:
                 return ""
             return texts[i] if texts[i] is not None else self.tokenizer.decode(prompts[i])  # type: ignore
 
-        def choice(i: int, c: CompletionOutput, text: str, start_token: int, start_char: int,
-                   finish: str | None) -> dict:
+        def choice(
+            i: int, c: CompletionOutput, text: str, start_token: int, start_char: int, finish: str | None
+        ) -> dict:
             lp = None
             if body.logprobs is not None and c.logprobs is not None:
-                lp = completion_logprobs(self.tokenizer, c.token_ids[start_token:], c.logprobs[start_token:],
-                                         start_char)
+                lp = completion_logprobs(
+                    self.tokenizer, c.token_ids[start_token:], c.logprobs[start_token:], start_char
+                )
             return {"index": i * body.n + c.index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if not body.stream:
             outs = await generation.collect(self.engine, request, rid, prompts, params)
-            choices = [choice(i, c, prefix(i) + c.text, 0, len(prefix(i)), c.finish_reason)
-                       for i, out in enumerate(outs) for c in out.outputs]
+            choices = [
+                choice(i, c, prefix(i) + c.text, 0, len(prefix(i)), c.finish_reason)
+                for i, out in enumerate(outs)
+                for c in out.outputs
+            ]
             choices.sort(key=lambda ch: ch["index"])
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                                 "model": self.model.name, "choices": choices,
-                                 "usage": generation.usage(prompts, outs)})
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model.name,
+                    "choices": choices,
+                    "usage": generation.usage(prompts, outs),
+                }
+            )
 
         def render(d: Delta) -> list[dict]:
             echoed = prefix(d.prompt_index) if d.first else ""
             if not d.text and not echoed and d.finish_reason is None and d.output.logprobs is None:
                 return []
-            return [choice(d.prompt_index, d.output, echoed + d.text, d.start_token, d.start_char,
-                           d.finish_reason)]
+            return [choice(d.prompt_index, d.output, echoed + d.text, d.start_token, d.start_char, d.finish_reason)]
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return stream_response(generation.run(self.engine, rid, prompts, params), params.stop, render,
-                               chunk_envelope(rid, "text_completion", created, self.model.name),
-                               sum(len(p) for p in prompts) if include_usage else None, self.on_error)
+        return stream_response(
+            generation.run(self.engine, rid, prompts, params),
+            params.stop,
+            render,
+            chunk_envelope(rid, "text_completion", created, self.model.name),
+            sum(len(p) for p in prompts) if include_usage else None,
+            self.on_error,
+        )

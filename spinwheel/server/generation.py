@@ -39,8 +39,9 @@ def _api_error(e: BaseException) -> BaseException:
     return e
 
 
-async def run(engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams
-              ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def run(
+    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run one engine request per prompt concurrently; yield (prompt index, cumulative output) as they come.
     Leaving early aborts every unfinished request.
 
@@ -78,8 +79,9 @@ async def run(engine: AsyncEngine, request_id: str, prompts: list[list[int]], pa
                 engine.abort(f"{request_id}-{i}")
 
 
-async def collect(engine: AsyncEngine, request: Request, request_id: str, prompts: list[list[int]],
-                  params: SamplingParams) -> list[RequestOutput]:
+async def collect(
+    engine: AsyncEngine, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams
+) -> list[RequestOutput]:
     """Final outputs of every prompt; a client that goes away meanwhile aborts them."""
     final: dict[int, RequestOutput] = {}
 
@@ -103,5 +105,8 @@ def usage(prompts: list[list[int]], outs: list[RequestOutput]) -> dict[str, int]
     """The response's token counts: every prompt once, every choice's generated tokens."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

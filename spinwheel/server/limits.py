@@ -17,22 +17,30 @@ class ServerLimits:
     """Connection and request limits."""
 
     max_connections: int = option(
-        1024, help="open HTTP connections at most; at the cap a new connection replaces the one that has waited "
-                   "longest for its request headers, or is refused with 503 (kept below `ulimit -n`)")
+        1024,
+        help="open HTTP connections at most; at the cap a new connection replaces the one that has waited "
+        "longest for its request headers, or is refused with 503 (kept below `ulimit -n`)",
+    )
     header_timeout_s: float = option(
-        10.0, help="seconds a connection may take to send a request's headers, from connecting or from the "
-                   "previous response (slower connections are closed: slowloris)")
+        10.0,
+        help="seconds a connection may take to send a request's headers, from connecting or from the "
+        "previous response (slower connections are closed: slowloris)",
+    )
     body_timeout_s: float = option(30.0, help="seconds a client may take to send a request body (slower: 408)")
     stall_timeout_s: float = option(
-        30.0, help="seconds a client may leave its response unread before it is disconnected and its request "
-                   "aborted (its KV blocks freed)")
+        30.0,
+        help="seconds a client may leave its response unread before it is disconnected and its request "
+        "aborted (its KV blocks freed)",
+    )
     send_buffer_kb: int = option(
-        256, help="kernel send buffer per connection, KiB: bounds what a client that stops reading pins in the "
-                  "kernel before the stall timeout starts (0: the OS's autotuning, up to MBs per connection)")
-    max_sequences_per_request: int = option(
-        1024, help="prompts x n in one request at most (more: HTTP 400)")
+        256,
+        help="kernel send buffer per connection, KiB: bounds what a client that stops reading pins in the "
+        "kernel before the stall timeout starts (0: the OS's autotuning, up to MBs per connection)",
+    )
+    max_sequences_per_request: int = option(1024, help="prompts x n in one request at most (more: HTTP 400)")
     log_repeat_interval_s: float = option(
-        10.0, help="a repeated warning or error is logged once per interval, with the number suppressed")
+        10.0, help="a repeated warning or error is logged once per interval, with the number suppressed"
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_sequences_per_request"):
@@ -60,5 +68,7 @@ def fit_connections_to_fd_limit(max_connections: int) -> tuple[int, str | None]:
     if soft == resource.RLIM_INFINITY or soft >= need:
         return max_connections, None
     fitted = max(1, soft - FD_RESERVE)
-    return fitted, (f"--max-connections lowered from {max_connections} to {fitted}: this process may open "
-                    f"{soft} file descriptors (ulimit -n)")
+    return fitted, (
+        f"--max-connections lowered from {max_connections} to {fitted}: this process may open "
+        f"{soft} file descriptors (ulimit -n)"
+    )

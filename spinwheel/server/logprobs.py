@@ -11,8 +11,9 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
-                        offset: int) -> dict:
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], offset: int
+) -> dict:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` for ``token_ids``; ``offset`` is the
     character position of the first token in the choice's text (earlier chunks of a stream came before it)."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -32,7 +33,15 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dic
     for t, lp in zip(token_ids, logprobs):
         s = token_text(tokenizer, t)
         top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
-        content.append({"token": s, "logprob": lp.get(t), "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": token_text(tokenizer, i), "logprob": v,
-                                          "bytes": list(token_text(tokenizer, i).encode())} for i, v in top]})
+        content.append(
+            {
+                "token": s,
+                "logprob": lp.get(t),
+                "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": token_text(tokenizer, i), "logprob": v, "bytes": list(token_text(tokenizer, i).encode())}
+                    for i, v in top
+                ],
+            }
+        )
     return {"content": content}

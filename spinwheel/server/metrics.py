@@ -26,41 +26,53 @@ class _EngineCollector:
     def collect(self):
         s = self.engine.stats()
         for name, doc, value in (
-                ("spinwheel_num_requests_running", "Requests in the running batch.", s.num_running),
-                ("spinwheel_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-                ("spinwheel_num_requests_swapped", "Requests preempted to the CPU swap pool.", s.num_swapped),
-                ("spinwheel_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage),
-                ("spinwheel_num_free_kv_blocks", "Free KV-cache blocks on the device.", s.num_free_blocks),
-                ("spinwheel_num_kv_blocks", "KV-cache blocks on the device.", s.num_blocks),
-                ("spinwheel_prefix_cache_hit_rate", "Prompt blocks served from the prefix cache (0..1).",
-                 s.prefix_cache_hit_rate),
-                ("spinwheel_generation_tokens_per_second", "Recent generation throughput.",
-                 s.generation_tokens_per_s)):
+            ("spinwheel_num_requests_running", "Requests in the running batch.", s.num_running),
+            ("spinwheel_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("spinwheel_num_requests_swapped", "Requests preempted to the CPU swap pool.", s.num_swapped),
+            ("spinwheel_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage),
+            ("spinwheel_num_free_kv_blocks", "Free KV-cache blocks on the device.", s.num_free_blocks),
+            ("spinwheel_num_kv_blocks", "KV-cache blocks on the device.", s.num_blocks),
+            (
+                "spinwheel_prefix_cache_hit_rate",
+                "Prompt blocks served from the prefix cache (0..1).",
+                s.prefix_cache_hit_rate,
+            ),
+            ("spinwheel_generation_tokens_per_second", "Recent generation throughput.", s.generation_tokens_per_s),
+        ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
-                ("spinwheel_num_preemptions", "Preemptions since start.", s.num_preemptions),
-                ("spinwheel_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
-                 s.num_prompt_tokens),
-                ("spinwheel_generation_tokens", "Tokens generated.", s.num_generated_tokens)):
+            ("spinwheel_num_preemptions", "Preemptions since start.", s.num_preemptions),
+            ("spinwheel_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.num_prompt_tokens),
+            ("spinwheel_generation_tokens", "Tokens generated.", s.num_generated_tokens),
+        ):
             yield CounterMetricFamily(name, doc, value=value)
 
 
 class _ServerCollector:
     """The server's own state, read at scrape time: unread outputs and what the connection guard did."""
 
-    def __init__(self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]
-                 ) -> None:
+    def __init__(
+        self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]
+    ) -> None:
         self.unread_outputs, self.connections = unread_outputs, connections
 
     def collect(self):
-        yield GaugeMetricFamily("spinwheel_unread_outputs", "Requests whose latest output waits for a slow client.",
-                                value=self.unread_outputs())
+        yield GaugeMetricFamily(
+            "spinwheel_unread_outputs",
+            "Requests whose latest output waits for a slow client.",
+            value=self.unread_outputs(),
+        )
         num_open, stats = self.connections()
         yield GaugeMetricFamily("spinwheel_open_connections", "Open HTTP connections.", value=num_open)
-        closed = CounterMetricFamily("spinwheel_connections_closed", "Connections the server closed, by reason.",
-                                     labels=["reason"])
-        for reason, value in (("refused", stats.num_refused), ("evicted", stats.num_evicted),
-                              ("header_timeout", stats.num_header_timeouts), ("write_stall", stats.num_write_stalls)):
+        closed = CounterMetricFamily(
+            "spinwheel_connections_closed", "Connections the server closed, by reason.", labels=["reason"]
+        )
+        for reason, value in (
+            ("refused", stats.num_refused),
+            ("evicted", stats.num_evicted),
+            ("header_timeout", stats.num_header_timeouts),
+            ("write_stall", stats.num_write_stalls),
+        ):
             closed.add_metric([reason], value)
         yield closed
 
@@ -73,22 +85,33 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))  # type: ignore[arg-type]
         r = self.registry
-        self.requests = Counter("spinwheel_requests", "Finished requests by finish reason.", ["finished_reason"],
-                                registry=r)
-        self.http_errors = Counter("spinwheel_http_errors", "Requests answered with an error, by status.",
-                                   ["status"], registry=r)
-        self.ttft = Histogram("spinwheel_time_to_first_token_seconds", "Arrival to first generated token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("spinwheel_inter_token_latency_seconds", "Time between streamed tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("spinwheel_e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram("spinwheel_engine_step_seconds", "Duration of one engine step.",
-                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "spinwheel_requests", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.http_errors = Counter(
+            "spinwheel_http_errors", "Requests answered with an error, by status.", ["status"], registry=r
+        )
+        self.ttft = Histogram(
+            "spinwheel_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "spinwheel_inter_token_latency_seconds",
+            "Time between streamed tokens.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "spinwheel_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.step_time = Histogram(
+            "spinwheel_engine_step_seconds", "Duration of one engine step.", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self._last_token: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens generated) at last step
 
-    def watch(self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]
-              ) -> None:
+    def watch(self, unread_outputs: Callable[[], int], connections: Callable[[], tuple[int, ConnectionStats]]) -> None:
         """Report the server's own state too (called once the async engine and the connection guard exist)."""
         self.registry.register(_ServerCollector(unread_outputs, connections))  # type: ignore[arg-type]
 

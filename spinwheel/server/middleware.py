@@ -41,8 +41,10 @@ class RequestBodyMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                await self._answer(send, APIError(408, f"request body not received within {self.timeout_s:g} s",
-                                                  code="request_timeout"))
+                await self._answer(
+                    send,
+                    APIError(408, f"request body not received within {self.timeout_s:g} s", code="request_timeout"),
+                )
                 return
             if message["type"] != "http.request":
                 return  # the client went away before its body was complete: nobody to answer
@@ -67,9 +69,17 @@ class RequestBodyMiddleware:
     async def _answer(self, send: Any, error: APIError) -> None:
         self.on_error(error.status)
         body = error_json(error)
-        await send({"type": "http.response.start", "status": error.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": error.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -85,8 +95,10 @@ def error_response(error: APIError) -> Response:
 def check_api_key(api_key: str | None) -> None:
     """An API key travels in an HTTP header: printable ASCII without spaces, or no client could ever send it."""
     if api_key is not None and (not api_key or not all(33 <= ord(ch) <= 126 for ch in api_key)):
-        raise ValueError("the API key must be non-empty printable ASCII without spaces (it is sent in the "
-                         "'Authorization: Bearer <key>' header); choose another --api-key / $SPINWHEEL_API_KEY")
+        raise ValueError(
+            "the API key must be non-empty printable ASCII without spaces (it is sent in the "
+            "'Authorization: Bearer <key>' header); choose another --api-key / $SPINWHEEL_API_KEY"
+        )
 
 
 def api_key_auth(api_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
@@ -101,7 +113,11 @@ def api_key_auth(api_key: str | None) -> Callable[[Request], Coroutine[Any, Any,
         header = dict(request.scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), expected):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     return authorize

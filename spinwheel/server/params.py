@@ -29,16 +29,25 @@ class ServedModel:
 
     def check_name(self, model: str) -> None:
         if model != self.name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.name}'",
-                           type="not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.name}'",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """Checked before anything is tokenized, so that an oversized batch costs the server nothing."""
         if num_prompts * n > self.max_sequences_per_request:
-            raise APIError(400, f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
-                                f"sequences; this server allows at most {self.max_sequences_per_request} per request "
-                                f"(spinwheel serve --max-sequences-per-request)", param="prompt" if num_prompts > 1
-                           else "n", code="too_many_sequences")
+            raise APIError(
+                400,
+                f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                f"sequences; this server allows at most {self.max_sequences_per_request} per request "
+                f"(spinwheel serve --max-sequences-per-request)",
+                param="prompt" if num_prompts > 1 else "n",
+                code="too_many_sequences",
+            )
 
     def check_token_ids(self, ids: list[int], param: str, what: str = "token id") -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -51,32 +60,54 @@ class ServedModel:
         self.check_token_ids(ids, param)
         limit = self.max_model_len
         if len(ids) >= limit:
-            raise APIError(400, f"the prompt has {len(ids)} tokens, but this model's context length is {limit} "
-                                f"tokens (prompt plus at least one generated token must fit)", param=param,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens, but this model's context length is {limit} "
+                f"tokens (prompt plus at least one generated token must fit)",
+                param=param,
+                code="context_length_exceeded",
+            )
         if max_tokens is None:
             return limit - len(ids)
         if len(ids) + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt "
-                                f"tokens plus max_tokens={max_tokens} makes {len(ids) + max_tokens}; lower "
-                                f"max_tokens or shorten the prompt", param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt "
+                f"tokens plus max_tokens={max_tokens} makes {len(ids) + max_tokens}; lower "
+                f"max_tokens or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return max_tokens
 
-    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                        logprobs: int | None, field_names: dict[str, str] | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        field_names: dict[str, str] | None = None,
+    ) -> SamplingParams:
         """The engine's settings for ``body``. ``max_tokens`` and ``logprobs`` come resolved from the endpoint
         (their names and defaults differ between completions and chat; ``field_names`` maps a SamplingParams
         field to the request field an error should name)."""
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids", what="stop token id")
         try:
             return SamplingParams(
-                n=body.n, temperature=body.temperature, top_p=body.top_p,
+                n=body.n,
+                temperature=body.temperature,
+                top_p=body.top_p,
                 top_k=min(body.top_k, self.vocab_size),  # larger than the vocabulary means all of it
-                min_p=body.min_p, presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
-                max_tokens=max_tokens, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
-                logprobs=logprobs)
+                min_p=body.min_p,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                seed=body.seed,
+                stop=body.stop,
+                stop_token_ids=body.stop_token_ids or [],
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=(field_names or {}).get(e.param, e.param)) from None

@@ -30,8 +30,14 @@ MAX_STOP = 16
 class APIError(Exception):
     """An error answered with an OpenAI-style body and an HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -41,8 +47,12 @@ class APIError(Exception):
 
 def internal_error(e: BaseException) -> APIError:
     """What a client is told about a failure nobody anticipated (the server logs the traceback)."""
-    return APIError(500, f"internal server error ({type(e).__name__}); the server log has the details",
-                    type="server_error", code="internal_error")
+    return APIError(
+        500,
+        f"internal server error ({type(e).__name__}); the server log has the details",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 def invalid_text_path(data: Any) -> str | None:
@@ -81,8 +91,11 @@ class _Body(BaseModel):
         path = invalid_text_path(data)
         if path is not None:
             # the path, not the text: an error message must never quote what cannot be encoded
-            raise PydanticCustomError("invalid_unicode", "{param}: text is not valid Unicode (a lone surrogate)",
-                                      {"param": path.encode("ascii", "backslashreplace").decode()})
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{param}: text is not valid Unicode (a lone surrogate)",
+                {"param": path.encode("ascii", "backslashreplace").decode()},
+            )
         return data
 
 

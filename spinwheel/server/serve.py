@@ -20,14 +20,20 @@ from spinwheel.server.middleware import check_api_key
 class ServeConfig(ServerLimits):
     """OpenAI-compatible HTTP server."""
 
-    model: str = option("runs/demo/grpo/checkpoint", help="HF checkpoint directory, Hugging Face Hub id "
-                                                          "(owner/name, through the local HF cache) or preset")
+    model: str = option(
+        "runs/demo/grpo/checkpoint",
+        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache) or preset",
+    )
     host: str = option("127.0.0.1", help="address to bind (loopback unless told otherwise)")
     port: int = option(8000, help="TCP port")
-    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "
-                                            "/detokenize (default: $SPINWHEEL_API_KEY if set)")
-    served_model_name: str | None = option(None, help="model id clients send (default: the --model directory's "
-                                                      "name, or the preset name)")
+    api_key: str | None = option(
+        None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "
+        "/detokenize (default: $SPINWHEEL_API_KEY if set)",
+    )
+    served_model_name: str | None = option(
+        None, help="model id clients send (default: the --model directory's name, or the preset name)"
+    )
     max_body_mb: float = option(1.0, help="largest accepted request body, MiB (larger: HTTP 413)")
     log_level: str = option("info", help="uvicorn log level")
 
@@ -65,9 +71,12 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
     config = dataclasses.replace(config, max_connections=max_connections)
     server = build_server(config, engine_config)
     s = server.engine.stats()
-    print(f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
-          f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; "
-          f"http://{config.host}:{config.port}/v1", flush=True)
+    print(
+        f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
+        f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; "
+        f"http://{config.host}:{config.port}/v1",
+        flush=True,
+    )
     uvicorn_config = server.uvicorn_config(config.host, config.port, config.log_level)  # configures logging
     install_repeat_filter(config.log_repeat_interval_s)
     try:
@@ -96,7 +105,7 @@ class BackgroundServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         import time
 
         self._thread.start()

@@ -52,7 +52,7 @@ def _new_text(c: CompletionOutput, sent: _Sent, stop: list[str]) -> tuple[str, i
         end = max(sent.chars, end - hold)
         while end > sent.chars and c.text[end - 1] == "\ufffd":
             end -= 1
-    return c.text[sent.chars:end], end
+    return c.text[sent.chars : end], end
 
 
 async def deltas(outputs: AsyncIterator[tuple[int, RequestOutput]], stop: list[str]) -> AsyncIterator[Delta]:
@@ -77,9 +77,14 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def stream_response(outputs: AsyncIterator[tuple[int, RequestOutput]], stop: list[str],
-                    render: Callable[[Delta], list[dict]], envelope: Callable[..., dict],
-                    usage_prompt_tokens: int | None, on_error: Callable[[int], None]) -> StreamingResponse:
+def stream_response(
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    stop: list[str],
+    render: Callable[[Delta], list[dict]],
+    envelope: Callable[..., dict],
+    usage_prompt_tokens: int | None,
+    on_error: Callable[[int], None],
+) -> StreamingResponse:
     """The SSE response of one request. ``render`` turns a delta into the choice objects to send (one chunk each;
     none to skip it); ``envelope(choices, **extra)`` wraps choices into the endpoint's chunk object. With
     ``usage_prompt_tokens`` set (the client asked for ``stream_options.include_usage``) a last chunk without
@@ -96,9 +101,16 @@ def stream_response(outputs: AsyncIterator[tuple[int, RequestOutput]], stop: lis
                     if d.finish_reason is not None:
                         completion_tokens += len(d.output.token_ids)
             if usage_prompt_tokens is not None:
-                yield sse(envelope([], usage={"prompt_tokens": usage_prompt_tokens,
-                                              "completion_tokens": completion_tokens,
-                                              "total_tokens": usage_prompt_tokens + completion_tokens}))
+                yield sse(
+                    envelope(
+                        [],
+                        usage={
+                            "prompt_tokens": usage_prompt_tokens,
+                            "completion_tokens": completion_tokens,
+                            "total_tokens": usage_prompt_tokens + completion_tokens,
+                        },
+                    )
+                )
         except APIError as e:
             on_error(e.status)
             yield sse(e.body())
@@ -113,7 +125,13 @@ def stream_response(outputs: AsyncIterator[tuple[int, RequestOutput]], stop: lis
 
 def chunk_envelope(request_id: str, object_name: str, created: int, model: str) -> Callable[..., dict]:
     def envelope(choices: list[dict], **extra: Any) -> dict:
-        return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": choices,
-                **extra}
+        return {
+            "id": request_id,
+            "object": object_name,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            **extra,
+        }
 
     return envelope

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.server.chat import render_chat
-from spinwheel.server.logprobs import token_text
 from spinwheel.server.generation import off_loop
+from spinwheel.server.logprobs import token_text
 from spinwheel.server.params import ServedModel
 from spinwheel.server.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -19,8 +19,12 @@ class Tokenization:
 
     def _tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
-            return render_chat(self.tokenizer, body.messages, body.add_generation_prompt,
-                               add_special_tokens=bool(body.add_special_tokens))
+            return render_chat(
+                self.tokenizer,
+                body.messages,
+                body.add_generation_prompt,
+                add_special_tokens=bool(body.add_special_tokens),
+            )
         add = True if body.add_special_tokens is None else body.add_special_tokens
         return self.tokenizer.encode(body.prompt or "", add_special_tokens=add)
 

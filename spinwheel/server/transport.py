@@ -26,10 +26,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 24\r\n"
-            b"connection: close\r\n\r\ntoo many open connections")
-_HEADER_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 36\r\n"
-                   b"connection: close\r\n\r\nrequest headers not received in time")
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 24\r\n"
+    b"connection: close\r\n\r\ntoo many open connections"
+)
+_HEADER_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 36\r\n"
+    b"connection: close\r\n\r\nrequest headers not received in time"
+)
 
 
 @dataclass
@@ -45,8 +49,9 @@ class ConnectionStats:
 class ConnectionGuard:
     """The connections of one server: which are open, and which wait for a request head (oldest first)."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float, stall_timeout_s: float,
-                 send_buffer_bytes: int = 0) -> None:
+    def __init__(
+        self, max_connections: int, header_timeout_s: float, stall_timeout_s: float, send_buffer_bytes: int = 0
+    ) -> None:
         self.max_connections = max_connections
         self.header_timeout_s, self.stall_timeout_s = header_timeout_s, stall_timeout_s
         self.send_buffer_bytes = send_buffer_bytes
@@ -161,8 +166,9 @@ class GuardedH11Protocol(H11Protocol):
         self._stall_timer = None
         if not self.transport.is_closing():
             self.guard.stats.num_write_stalls += 1
-            logger.warning("a client left its response unread for %g s; closing its connection",
-                           self.guard.stall_timeout_s)
+            logger.warning(
+                "a client left its response unread for %g s; closing its connection", self.guard.stall_timeout_s
+            )
             self.transport.abort()
 
     def _cancel_timers(self) -> None:

@@ -24,7 +24,22 @@ from spinwheel.tasks.data import (
 )
 
 __all__ = [
-    "OPERATORS", "ArithmeticConfig", "ArithmeticTask", "EvalResult", "Example", "evaluate", "extract_answer",
-    "reward", "ROLES", "SAMPLES_DIR", "DataError", "PreferenceRecord", "RLRecord", "SFTRecord",
-    "read_preference_jsonl", "read_rl_jsonl", "read_sft_jsonl", "write_jsonl",
+    "OPERATORS",
+    "ArithmeticConfig",
+    "ArithmeticTask",
+    "EvalResult",
+    "Example",
+    "evaluate",
+    "extract_answer",
+    "reward",
+    "ROLES",
+    "SAMPLES_DIR",
+    "DataError",
+    "PreferenceRecord",
+    "RLRecord",
+    "SFTRecord",
+    "read_preference_jsonl",
+    "read_rl_jsonl",
+    "read_sft_jsonl",
+    "write_jsonl",
 ]

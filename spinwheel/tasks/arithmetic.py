@@ -61,12 +61,13 @@ class ArithmeticConfig:
             raise ValueError(
                 f"num_train + num_test = {self.num_train + self.num_test} exceeds the {self.num_problems} distinct "
                 f"problems with num_digits={self.num_digits} and operators={self.operators}; lower num_train or "
-                f"num_test, or raise num_digits or add operators")
+                f"num_test, or raise num_digits or add operators"
+            )
 
     @property
     def num_problems(self) -> int:
         """Number of distinct problem strings: one per (operator, left operand, right operand)."""
-        return len(self.operators) * (10 ** self.num_digits) ** 2
+        return len(self.operators) * (10**self.num_digits) ** 2
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,11 @@ class ArithmeticTask:
         cfg = self.config
         indices = _draw_indices(cfg.num_problems, cfg.num_test + cfg.num_train, random.Random(cfg.seed))
         examples = [self._example(i) for i in indices]
-        self.test: list[Example] = examples[:cfg.num_test]
-        self.train: list[Example] = examples[cfg.num_test:]
+        self.test: list[Example] = examples[: cfg.num_test]
+        self.train: list[Example] = examples[cfg.num_test :]
 
     def _example(self, index: int) -> Example:
-        base = 10 ** self.config.num_digits
+        base = 10**self.config.num_digits
         op_index, pair = divmod(index, base * base)
         a, b = divmod(pair, base)
         op = self.config.operators[op_index]
@@ -153,8 +154,12 @@ def reward(completion: str, answer: str) -> float:
     return 1.0 if found is not None and int(found) == target else 0.0
 
 
-def evaluate(generate: Callable[[list[str]], list[str]], examples: Sequence[Example], batch_size: int = 256,
-             score: Callable[[str, str], float] | None = None) -> EvalResult:
+def evaluate(
+    generate: Callable[[list[str]], list[str]],
+    examples: Sequence[Example],
+    batch_size: int = 256,
+    score: Callable[[str, str], float] | None = None,
+) -> EvalResult:
     """Mean ``score`` (default: :func:`reward`, exact match of the answer) of ``generate`` (prompts -> completions)
     on ``examples`` (anything with ``prompt`` and ``answer``), in batches of ``batch_size``."""
     score = score or reward
@@ -165,7 +170,7 @@ def evaluate(generate: Callable[[list[str]], list[str]], examples: Sequence[Exam
     num_correct = 0.0
     samples: list[tuple[str, str, str]] = []
     for start in range(0, len(examples), batch_size):
-        batch = examples[start:start + batch_size]
+        batch = examples[start : start + batch_size]
         completions = generate([ex.prompt for ex in batch])
         if len(completions) != len(batch):
             raise ValueError(f"generate returned {len(completions)} completions for {len(batch)} prompts")

@@ -113,7 +113,7 @@ def _string(where: str, obj: dict[str, Any], key: str, expected: str) -> str:
 def _messages(where: str, value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         got = "an empty list" if isinstance(value, list) else _type_name(value)
-        raise DataError(f"{where}: field 'messages' must be a non-empty list of {{\"role\", \"content\"}}, got {got}")
+        raise DataError(f'{where}: field \'messages\' must be a non-empty list of {{"role", "content"}}, got {got}')
     messages = []
     for i, message in enumerate(value):
         name = f"messages[{i}]"
@@ -125,8 +125,10 @@ def _messages(where: str, value: Any) -> list[dict[str, str]]:
             raise DataError(f"{where}: field '{name}.role' must be one of {', '.join(ROLES)}, got {role!r}")
         messages.append({"role": role, "content": content})
     if messages[-1]["role"] != "assistant":
-        raise DataError(f"{where}: field 'messages[{len(messages) - 1}].role' must be 'assistant' "
-                        f"(the last message is the reply to train on), got {messages[-1]['role']!r}")
+        raise DataError(
+            f"{where}: field 'messages[{len(messages) - 1}].role' must be 'assistant' "
+            f"(the last message is the reply to train on), got {messages[-1]['role']!r}"
+        )
     return messages
 
 
@@ -137,8 +139,9 @@ def read_sft_jsonl(path: str | os.PathLike[str]) -> list[SFTRecord]:
         if "messages" in obj:
             both = [key for key in ("prompt", "completion") if key in obj]
             if both:
-                raise DataError(f"{where}: field '{both[0]}' given together with 'messages'; use one format "
-                                f"{_SFT_FORMATS}")
+                raise DataError(
+                    f"{where}: field '{both[0]}' given together with 'messages'; use one format {_SFT_FORMATS}"
+                )
             records.append(SFTRecord(messages=_messages(where, obj["messages"])))
         else:
             prompt = _string(where, obj, "prompt", _SFT_FORMATS)

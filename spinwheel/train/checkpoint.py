@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.hf import apply_umask, save_pretrained
+from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 
 STATE_FILE = "trainer_state.pt"
@@ -39,9 +39,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: str | os.PathLike, model: Transformer, tokenizer: Tokenizer | None,
-                    trainer_state: dict[str, Any] | None = None,
-                    extra: Callable[[Path], None] | None = None) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: Transformer,
+    tokenizer: Tokenizer | None,
+    trainer_state: dict[str, Any] | None = None,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
     """Write a checkpoint directory atomically; returns its path. ``extra(tmp)`` may add files to the temporary
     directory before it replaces the target (the parallel trainer's sharded state)."""
     path = Path(path)

@@ -17,9 +17,11 @@ Generate = Callable[[list[list[int]], int], list[str]]  # (prompt ids, max new t
 
 def plain_generate(model: Transformer, tokenizer: Tokenizer) -> Generate:
     """Greedy completions with the plain (non-paged) reference loop."""
+
     def run(prompts: list[list[int]], max_new_tokens: int) -> list[str]:
         out = generate(model, prompts, max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
         return [tokenizer.decode(o) for o in out]
+
     return run
 
 
@@ -35,6 +37,7 @@ def engine_generate(model: Transformer, tokenizer: Tokenizer, max_model_len: int
         llm.update_weights(model)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
         return [o.outputs[0].text for o in outs]
+
     return run
 
 
@@ -44,6 +47,10 @@ def heldout_eval(generate_fn: Generate, data: SFTData, num_examples: int, max_ne
     if not examples:
         return {"exact_match": None, "samples": []}
     ids = {e.prompt: list(e.prompt_ids) for e in examples}
-    result = evaluate(lambda prompts: generate_fn([ids[p] for p in prompts], max_new_tokens), examples,
-                      batch_size=len(examples), score=data.score)
+    result = evaluate(
+        lambda prompts: generate_fn([ids[p] for p in prompts], max_new_tokens),
+        examples,
+        batch_size=len(examples),
+        score=data.score,
+    )
     return {"exact_match": result.exact_match, "samples": result.samples}

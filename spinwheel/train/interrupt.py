@@ -80,6 +80,9 @@ class StopOnSignal:
         """The exception to raise after the checkpoint of ``step`` was written; the main rank says so first
         (``resumable``: whether rerunning the command resumes, i.e. the run was not started with --no-resume)."""
         if is_main:
-            print(f"interrupted: checkpoint saved at step {step} in {ckpt_dir}"
-                  + ("; rerun the same command to resume" if resumable else ""), flush=True)
+            print(
+                f"interrupted: checkpoint saved at step {step} in {ckpt_dir}"
+                + ("; rerun the same command to resume" if resumable else ""),
+                flush=True,
+            )
         return Interrupted(signum, step)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -108,11 +109,11 @@ def shared_prompt_outputs(model: Transformer, batch: Batch, entropy: bool) -> To
         row_tokens, row_pos, row_seg = list(prompt), list(range(n)), [-1] * n
         for j, i in enumerate(rows):
             c, start = lens[i], len(row_tokens)
-            row_tokens += ids[i][n:n + c - 1]  # the completion's last token is only a label
+            row_tokens += ids[i][n : n + c - 1]  # the completion's last token is only a label
             row_pos += range(n, n + c - 1)
             row_seg += [j] * (c - 1)
             src += [(r, n - 1)] + [(r, start + k) for k in range(c - 1)]
-            tgt += labels[i][n - 1:n - 1 + c]
+            tgt += labels[i][n - 1 : n - 1 + c]
             dst += range(i * t + n - 1, i * t + n - 1 + c)
         tokens.append(row_tokens)
         positions.append(row_pos)
@@ -127,8 +128,12 @@ def shared_prompt_outputs(model: Transformer, batch: Batch, entropy: bool) -> To
     q_idx = torch.arange(length, device=device)
     causal = q_idx[None, :] <= q_idx[:, None]  # (L, L): key ≤ query
     allowed = causal & ((seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None]))  # (P, L, L)
-    hidden = model(padded(tokens, 0), positions=padded(positions, 0), attn_metadata=AttentionMask(allowed[:, None]),
-                   return_hidden=True)  # (P, L, C)
+    hidden = model(
+        padded(tokens, 0),
+        positions=padded(positions, 0),
+        attn_metadata=AttentionMask(allowed[:, None]),
+        return_hidden=True,
+    )  # (P, L, C)
     flat = torch.tensor([r * length + k for r, k in src], device=device)
     logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat))  # (M, V), M = Σ c
     target = torch.tensor(tgt, device=device)
@@ -183,8 +188,10 @@ class LocalLearner:
         if self.optimizer is None or state is None:
             return
         if "optimizer" not in state:
-            raise ValueError(f"{ckpt_dir} was written by a parallel run: resume it under torchrun with the same "
-                             "layout, or start over with --no-resume")
+            raise ValueError(
+                f"{ckpt_dir} was written by a parallel run: resume it under torchrun with the same "
+                "layout, or start over with --no-resume"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
 
@@ -204,8 +211,15 @@ class ParallelLearner:
 
     distributed = True
 
-    def __init__(self, model: Transformer, optim: OptimConfig | None, parallel: ParallelConfig,
-                 dims: ParallelDims | None = None, *, engine_copy: str = "main") -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        optim: OptimConfig | None,
+        parallel: ParallelConfig,
+        dims: ParallelDims | None = None,
+        *,
+        engine_copy: str = "main",
+    ) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         wants = engine_copy == "all" or (engine_copy == "main" and self.is_main)
@@ -214,13 +228,20 @@ class ParallelLearner:
         def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
             # The trainer applies the weight decay (matrices only), as build_adamw's parameter groups do.
             assert optim is not None
-            return torch.optim.AdamW(params, lr=optim.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0,
-                                     foreach=True)
+            return torch.optim.AdamW(
+                params, lr=optim.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0, foreach=True
+            )
 
         clip = None if optim is None else (optim.grad_clip if optim.grad_clip > 0 else math.inf)
-        self.trainer = ParallelTrainer(model, adamw if optim is not None else None, parallel, dims,
-                                       max_grad_norm=clip, weight_decay=optim.weight_decay if optim else 0.0,
-                                       decays=decays)
+        self.trainer = ParallelTrainer(
+            model,
+            adamw if optim is not None else None,
+            parallel,
+            dims,
+            max_grad_norm=clip,
+            weight_decay=optim.weight_decay if optim else 0.0,
+            decays=decays,
+        )
         self.shares_weights = wants and _holds_full_weights(self.trainer)
         self.engine_model = model if self.shares_weights else copy_before  # type: ignore[assignment]
 
@@ -246,8 +267,10 @@ class ParallelLearner:
     def load(self, ckpt_dir: Path, state: dict[str, Any] | None = None) -> None:
         shards = ckpt_dir / SHARDED_DIR
         if not shards.is_dir():
-            raise ValueError(f"{ckpt_dir} holds no sharded trainer state (a single-process checkpoint): resume it "
-                             "without torchrun, or start over with --no-resume")
+            raise ValueError(
+                f"{ckpt_dir} holds no sharded trainer state (a single-process checkpoint): resume it "
+                "without torchrun, or start over with --no-resume"
+            )
         self.trainer.load(str(shards))
         set_rng_state(torch.load(shards / f"rng{self.rank:05d}.pt", map_location="cpu", weights_only=False))
 

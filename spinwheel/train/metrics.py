@@ -18,8 +18,11 @@ class MetricsLogger:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, record: dict[str, Any]) -> None:
@@ -34,8 +37,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike, panels: list[tuple[str, str]],
-                title: str = "") -> None:
+def plot_curves(
+    records: list[dict[str, Any]], path: str | os.PathLike, panels: list[tuple[str, str]], title: str = ""
+) -> None:
     """One subplot per ``(key, label)`` panel, the key's value against ``step``, saved as a PNG."""
     import matplotlib
 

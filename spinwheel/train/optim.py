@@ -8,7 +8,6 @@ import math
 import torch
 from torch import nn
 
-
 ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
 
@@ -19,8 +18,9 @@ def decays(name: str, ndim: int) -> bool:
     return ndim >= 2 and "embed" not in name
 
 
-def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = ADAMW_BETAS,
-                eps: float = ADAMW_EPS) -> torch.optim.AdamW:
+def build_adamw(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = ADAMW_BETAS, eps: float = ADAMW_EPS
+) -> torch.optim.AdamW:
     decay, no_decay = [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():

@@ -51,8 +51,9 @@ def config_changes(stored: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     return [Change(k, old[k], cur[k]) for k in cur if k in old and old[k] != cur[k]]
 
 
-def check_resume(stored: dict[str, Any] | None, new: dict[str, Any], harmless: Collection[str], force: bool,
-                 where: str) -> list[Change]:
+def check_resume(
+    stored: dict[str, Any] | None, new: dict[str, Any], harmless: Collection[str], force: bool, where: str
+) -> list[Change]:
     """The changes from ``stored`` to ``new``; raises :class:`ValueError` (one line naming them) when one outside
     ``harmless`` breaks exact resume and ``force`` is off. ``where``: the checkpoint, for the message."""
     if stored is None:  # written before checkpoints stored their config
@@ -60,7 +61,9 @@ def check_resume(stored: dict[str, Any] | None, new: dict[str, Any], harmless: C
     changes = config_changes(stored, new)
     breaking = [c for c in changes if c.key not in harmless]
     if breaking and not force:
-        raise ValueError(f"{where} was trained with other settings ({', '.join(map(str, breaking))}): resuming with "
-                         "them would not continue the same run. Rerun with the stored values, add --force to "
-                         "continue with the new ones, or --no-resume to start over")
+        raise ValueError(
+            f"{where} was trained with other settings ({', '.join(map(str, breaking))}): resuming with "
+            "them would not continue the same run. Rerun with the stored values, add --force to "
+            "continue with the new ones, or --no-resume to start over"
+        )
     return changes

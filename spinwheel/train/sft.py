@@ -32,8 +32,14 @@ from spinwheel.parallel.trainer import nll_loss
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.evaluation import Generate, engine_generate, heldout_eval, plain_generate
 from spinwheel.train.interrupt import StopOnSignal
-from spinwheel.train.learners import (Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world,
-                                      is_main_process)
+from spinwheel.train.learners import (
+    Learner,
+    LocalLearner,
+    OptimConfig,
+    ParallelLearner,
+    distributed_world,
+    is_main_process,
+)
 from spinwheel.train.metrics import MetricsLogger, plot_curves
 from spinwheel.train.optim import lr_at
 from spinwheel.train.resume import Change, check_resume
@@ -42,8 +48,20 @@ from spinwheel.train.sft_data import batch_indices, build_data, collate, trainer
 
 OnEval = Callable[[int, dict[str, Any]], None]
 # Options that only change what is observed or when: changing them on resume keeps the run exact.
-RESUME_HARMLESS = {"out_dir", "eval_every", "eval_examples", "max_new_tokens", "eval_engine", "save_every",
-                   "stop_after", "resume", "force", "num_threads", "progress", "parallel.timeout_s"}
+RESUME_HARMLESS = {
+    "out_dir",
+    "eval_every",
+    "eval_examples",
+    "max_new_tokens",
+    "eval_engine",
+    "save_every",
+    "stop_after",
+    "resume",
+    "force",
+    "num_threads",
+    "progress",
+    "parallel.timeout_s",
+}
 
 
 def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool = False) -> dict[str, Any]:
@@ -73,16 +91,19 @@ def _resume_point(config: SFTConfig, state: dict[str, Any], ckpt_dir: Path) -> t
     :mod:`~spinwheel.train.resume`) and a checkpoint already past ``--steps``."""
     start_step = int(state["step"])
     if start_step > config.steps:
-        raise ValueError(f"{ckpt_dir} is at step {start_step}, past --steps {config.steps}; rerun with --steps "
-                         f">= {start_step}, or --no-resume to start over")
+        raise ValueError(
+            f"{ckpt_dir} is at step {start_step}, past --steps {config.steps}; rerun with --steps "
+            f">= {start_step}, or --no-resume to start over"
+        )
     # --steps sets the length of the cosine decay, so it changes every later learning rate unless lr is constant.
     harmless = RESUME_HARMLESS | ({"steps"} if config.min_lr_ratio == 1 else set())
     changes = check_resume(state.get("config"), dataclasses.asdict(config), harmless, config.force, str(ckpt_dir))
     return start_step, changes
 
 
-def run_sft(config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: OnEval | None = None,
-            announce: bool = False) -> dict[str, Any]:
+def run_sft(
+    config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: OnEval | None = None, announce: bool = False
+) -> dict[str, Any]:
     """The SFT loop over the learner ``make_learner(model)`` builds (see :func:`train_sft`)."""
     out_dir = Path(config.out_dir)
     ckpt_dir = out_dir / "checkpoint"
@@ -91,47 +112,70 @@ def run_sft(config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: 
     main = is_main_process()
     if state is not None and start_step == config.steps:
         if main:
-            print(f"{ckpt_dir} is at step {start_step} of {config.steps}: the run is finished, nothing to do "
-                  "(--no-resume or another --out-dir starts a new run)", flush=True)
+            print(
+                f"{ckpt_dir} is at step {start_step} of {config.steps}: the run is finished, nothing to do "
+                "(--no-resume or another --out-dir starts a new run)",
+                flush=True,
+            )
         return {"start_step": start_step, "end_step": start_step, "finished": True, "checkpoint": str(ckpt_dir)}
     tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
     torch.manual_seed(config.seed)
-    model = load_model(ckpt_dir if state is not None else config.model, dtype=config.dtype, device=config.device,
-                       seed=config.seed, vocab_size=tokenizer.vocab_size)
+    model = load_model(
+        ckpt_dir if state is not None else config.model,
+        dtype=config.dtype,
+        device=config.device,
+        seed=config.seed,
+        vocab_size=tokenizer.vocab_size,
+    )
     num_params = sum(p.numel() for p in set(model.parameters()))
     data = build_data(config, tokenizer)
     if main:
         if announce:
             source = config.data or "the built-in arithmetic task"
-            print(f"spinwheel sft: {config.model} ({num_params / 1e6:.2f}M parameters) on {source}: "
-                  f"{len(data.train)} train / {len(data.eval)} held-out examples; {config.steps} steps of "
-                  f"{config.batch_size}; writing {out_dir}/", flush=True)
+            print(
+                f"spinwheel sft: {config.model} ({num_params / 1e6:.2f}M parameters) on {source}: "
+                f"{len(data.train)} train / {len(data.eval)} held-out examples; {config.steps} steps of "
+                f"{config.batch_size}; writing {out_dir}/",
+                flush=True,
+            )
         if state is not None:
             shown = [str(c) for c in changes if c.key not in ("resume", "force")]
-            print(f"resuming from step {start_step} of {config.steps} ({ckpt_dir})"
-                  + (f"; changed: {', '.join(shown)}" if shown else ""), flush=True)
+            print(
+                f"resuming from step {start_step} of {config.steps} ({ckpt_dir})"
+                + (f"; changed: {', '.join(shown)}" if shown else ""),
+                flush=True,
+            )
         if data.num_dropped:
             print(f"dropped {data.num_dropped} examples longer than --max-seq-len {config.max_seq_len}", flush=True)
     learner = make_learner(model)
     if state is not None:
         learner.load(ckpt_dir, state)
-    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None) if learner.is_main \
-        else None
+    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None) if learner.is_main else None
 
     def log(record: dict[str, Any]) -> None:
         if logger is not None:
             logger.log(record)
 
     if state is None:
-        log({"step": 0, "num_params": num_params, "num_train": len(data.train), "num_eval": len(data.eval),
-             "num_dropped": data.num_dropped})
+        log(
+            {
+                "step": 0,
+                "num_params": num_params,
+                "num_train": len(data.train),
+                "num_eval": len(data.eval),
+                "num_dropped": data.num_dropped,
+            }
+        )
 
     result: dict[str, Any] = {"start_step": start_step}
     generate_fn: Generate | None = None
     if learner.is_main and learner.engine_model is not None and data.eval:
         longest = max(len(e.prompt_ids) for e in data.eval)
-        generate_fn = (engine_generate(learner.engine_model, tokenizer, longest + config.max_new_tokens + 1)
-                       if config.eval_engine else plain_generate(learner.engine_model, tokenizer))
+        generate_fn = (
+            engine_generate(learner.engine_model, tokenizer, longest + config.max_new_tokens + 1)
+            if config.eval_engine
+            else plain_generate(learner.engine_model, tokenizer)
+        )
 
     def run_eval(step: int) -> dict[str, Any] | None:
         learner.sync_engine_model()  # collective under torchrun: every rank calls it, rank 0 evaluates
@@ -152,21 +196,36 @@ def run_sft(config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: 
     end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
     model.train()
     losses: list[float] = []
-    bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step,
-               disable=not (config.progress and learner.is_main), desc="sft", dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 10.0)  # logs (not a terminal) get a line per 10 s
+    bar = tqdm(
+        range(start_step, end_step),
+        total=config.steps,
+        initial=start_step,
+        disable=not (config.progress and learner.is_main),
+        desc="sft",
+        dynamic_ncols=True,
+        mininterval=1.0 if sys.stderr.isatty() else 10.0,
+    )  # logs (not a terminal) get a line per 10 s
     t0, tokens = time.perf_counter(), 0.0
     with StopOnSignal(learner.distributed) as stop:
         for step in bar:
-            batch = collate([data.train[i] for i in batch_indices(step, config.batch_size, len(data.train),
-                                                                  config.seed)], tokenizer.pad_id or 0)
+            batch = collate(
+                [data.train[i] for i in batch_indices(step, config.batch_size, len(data.train), config.seed)],
+                tokenizer.pad_id or 0,
+            )
             batch = {k: v.to(config.device) for k, v in batch.items()}
             lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
             out = learner.train_step(trainer_batch(batch), nll_loss, lr)
             tokens += float(batch["loss_mask"].sum())
             losses.append(out.loss)
-            log({"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
-                 "completion_tokens_per_s": tokens / (time.perf_counter() - t0)})
+            log(
+                {
+                    "step": step + 1,
+                    "loss": out.loss,
+                    "lr": lr,
+                    "grad_norm": out.grad_norm,
+                    "completion_tokens_per_s": tokens / (time.perf_counter() - t0),
+                }
+            )
             bar.set_postfix(loss=f"{out.loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # drawn at mininterval
             done = step + 1
             if done < end_step and (signum := stop.agreed()) is not None:  # every rank stops after this step
@@ -184,9 +243,12 @@ def run_sft(config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: 
     if end_step == config.steps and (ev := run_eval(end_step)) is not None:
         result["eval_after"] = ev
     if logger is not None:
-        plot_curves(logger.read(), out_dir / "curves.png",
-                    [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
-                    title=f"SFT {config.model}")
+        plot_curves(
+            logger.read(),
+            out_dir / "curves.png",
+            [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
+            title=f"SFT {config.model}",
+        )
     if announce and learner.is_main:
         print(summary(result, data.eval, out_dir), flush=True)
     return result
@@ -198,8 +260,11 @@ def summary(result: dict[str, Any], eval_examples: list, out_dir: Path) -> str:
         score = "no held-out examples to score"
     elif "eval_after" in result:
         before = result.get("eval_before", {}).get("exact_match")
-        score = "held-out exact match: " + (f"{before:.1%} -> " if before is not None else "") + \
-            f"{result['eval_after']['exact_match']:.1%}"
+        score = (
+            "held-out exact match: "
+            + (f"{before:.1%} -> " if before is not None else "")
+            + f"{result['eval_after']['exact_match']:.1%}"
+        )
     else:
         score = f"stopped at step {result['end_step']} (--stop-after); rerun the same command to continue"
     return f"{score}; wrote {result['checkpoint']} (HF format), {out_dir / 'metrics.jsonl'}, {out_dir / 'curves.png'}"

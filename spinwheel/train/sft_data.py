@@ -86,8 +86,10 @@ def build_data(config: SFTConfig, tokenizer: Tokenizer) -> SFTData:
 
     train, evaluation = tokenize(rows_train), tokenize(rows_eval)
     if not train:
-        raise ValueError(f"no training examples left (dropped {dropped} longer than --max-seq-len "
-                         f"{config.max_seq_len}); raise --max-seq-len or check --data")
+        raise ValueError(
+            f"no training examples left (dropped {dropped} longer than --max-seq-len "
+            f"{config.max_seq_len}); raise --max-seq-len or check --data"
+        )
     return SFTData(train, evaluation, score, dropped)
 
 
@@ -99,7 +101,7 @@ def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> l
         epoch, offset = divmod(start + len(out), num_examples)
         perm = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         take = min(batch_size - len(out), num_examples - offset)
-        out.extend(perm[offset:offset + take].tolist())
+        out.extend(perm[offset : offset + take].tolist())
     return out
 
 
@@ -113,14 +115,15 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
     input_ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((len(seqs), t - 1), dtype=torch.float32)
     for i, (e, s) in enumerate(zip(examples, seqs)):
-        input_ids[i, :len(s)] = torch.tensor(s)
+        input_ids[i, : len(s)] = torch.tensor(s)
         # Targets input_ids[:, 1:]; the completion's first token is predicted at position len(prompt) - 1.
-        loss_mask[i, len(e.prompt_ids) - 1:len(s) - 1] = 1.0
+        loss_mask[i, len(e.prompt_ids) - 1 : len(s) - 1] = 1.0
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def completion_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
+def completion_loss(
+    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean next-token cross-entropy over completion tokens.
 
     logits (B, T, V), input_ids (B, T), loss_mask (B, T-1) -> scalar loss and stats (``num_tokens``).
@@ -137,4 +140,3 @@ def trainer_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ``loss_mask / Σ loss_mask`` over the whole (global) batch, so the weighted NLL is :func:`completion_loss`."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "weights": mask / mask.sum().clamp(min=1)}
-

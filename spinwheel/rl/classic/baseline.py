@@ -24,8 +24,17 @@ def normalize_advantages(advantages: Tensor, dp: DataParallel) -> Tensor:
     return (advantages - mean.float()) / (std.float() + 1e-8)
 
 
-def fit_value(critic: nn.Module, optimizer: FlatAdam, obs: Tensor, targets: Tensor, epochs: int,
-              minibatch_size: int, num_envs: int, generator: torch.Generator, dp: DataParallel) -> float:
+def fit_value(
+    critic: nn.Module,
+    optimizer: FlatAdam,
+    obs: Tensor,
+    targets: Tensor,
+    epochs: int,
+    minibatch_size: int,
+    num_envs: int,
+    generator: torch.Generator,
+    dp: DataParallel,
+) -> float:
     """Regress ``critic(obs)`` on ``targets`` by MSE: ``epochs`` passes of shuffled minibatches.
 
     ``obs`` ``(B, obs_dim)`` / ``targets`` ``(B,)`` are this rank's flattened rollout; minibatches are drawn over
@@ -37,7 +46,7 @@ def fit_value(critic: nn.Module, optimizer: FlatAdam, obs: Tensor, targets: Tens
         perm = torch.randperm(num_samples, generator=generator)
         epoch_loss, count = torch.zeros(()), 0
         for start in range(0, num_samples, minibatch_size):
-            global_idx = perm[start:start + minibatch_size]
+            global_idx = perm[start : start + minibatch_size]
             idx = dp.local_indices(global_idx, num_envs)
             optimizer.zero_grad()
             if idx.numel() > 0:

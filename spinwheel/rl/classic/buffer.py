@@ -42,8 +42,14 @@ class Batch:
 class RolloutBuffer:
     """Preallocated storage for one rollout; write with :meth:`add`, read with :meth:`finish`."""
 
-    def __init__(self, num_steps: int, num_envs: int, obs_shape: tuple[int, ...], action_shape: tuple[int, ...],
-                 action_dtype: torch.dtype):
+    def __init__(
+        self,
+        num_steps: int,
+        num_envs: int,
+        obs_shape: tuple[int, ...],
+        action_shape: tuple[int, ...],
+        action_dtype: torch.dtype,
+    ):
         T, N = num_steps, num_envs
         self.num_steps, self.num_envs = T, N
         self.obs = torch.zeros((T, N, *obs_shape))
@@ -54,12 +60,32 @@ class RolloutBuffer:
         self.terminated = torch.zeros((T, N), dtype=torch.bool)
         self.truncated = torch.zeros((T, N), dtype=torch.bool)
         self.bootstrap_values = torch.zeros((T, N))  # V(final obs) where truncated, else 0
-        self._views = {name: getattr(self, name).numpy() for name in (
-            "obs", "actions", "log_probs", "values", "rewards", "terminated", "truncated", "bootstrap_values")}
+        self._views = {
+            name: getattr(self, name).numpy()
+            for name in (
+                "obs",
+                "actions",
+                "log_probs",
+                "values",
+                "rewards",
+                "terminated",
+                "truncated",
+                "bootstrap_values",
+            )
+        }
 
-    def add(self, t: int, obs: Tensor, actions: Tensor, log_probs: Tensor, values: Tensor,
-            rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-            bootstrap_values: Tensor | None = None) -> None:
+    def add(
+        self,
+        t: int,
+        obs: Tensor,
+        actions: Tensor,
+        log_probs: Tensor,
+        values: Tensor,
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        bootstrap_values: Tensor | None = None,
+    ) -> None:
         """Store step ``t`` (all ``(N, ...)``); ``bootstrap_values`` only matters where ``truncated``.
 
         Writes go through numpy views of the tensors: a numpy row assignment costs a fraction of a torch one.
@@ -87,5 +113,12 @@ class RolloutBuffer:
         def flat(x: Tensor) -> Tensor:
             return x.reshape(self.num_steps * self.num_envs, *x.shape[2:])
 
-        return Batch(flat(self.obs), flat(self.actions), flat(self.log_probs), flat(self.values),
-                     flat(advantages), flat(returns), None if rtg is None else flat(rtg))
+        return Batch(
+            flat(self.obs),
+            flat(self.actions),
+            flat(self.log_probs),
+            flat(self.values),
+            flat(advantages),
+            flat(returns),
+            None if rtg is None else flat(rtg),
+        )

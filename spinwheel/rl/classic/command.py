@@ -29,9 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The training options (one per :class:`ClassicConfig` field) and ``--eval``."""
     cli_config.add_arguments(parser, ClassicConfig)
     group = parser.add_argument_group("evaluation of a saved policy")
-    group.add_argument("--eval", metavar="POLICY_PT", default=None,
-                       help="instead of training, evaluate this policy.pt: deterministic actions on --eval-episodes "
-                            "episodes, the same seeded episodes as the run's final evaluation")
+    group.add_argument(
+        "--eval",
+        metavar="POLICY_PT",
+        default=None,
+        help="instead of training, evaluate this policy.pt: deterministic actions on --eval-episodes "
+        "episodes, the same seeded episodes as the run's final evaluation",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -54,8 +58,10 @@ def _evaluate(path: str, num_episodes: int, main_rank: bool) -> int:
         raise ValueError(f"--eval needs --eval-episodes ≥ 1, got {num_episodes}")
     result = evaluate_saved(path, num_episodes)
     if main_rank:
-        print(f"evaluation of {path} ({result['algo']}, {result['env']}): return {result['eval_return_mean']:.1f} ± "
-              f"{result['eval_return_std']:.1f} over {num_episodes} episodes")
+        print(
+            f"evaluation of {path} ({result['algo']}, {result['env']}): return {result['eval_return_mean']:.1f} ± "
+            f"{result['eval_return_std']:.1f} over {num_episodes} episodes"
+        )
     return 0
 
 
@@ -66,15 +72,19 @@ def _train(config: ClassicConfig, main_rank: bool) -> int:
     make_env(config.env).close()  # an unknown id or a missing MuJoCo fails here, on every rank, before any group
     run_steps = config.num_updates * config.rollout_size
     if main_rank and run_steps != config.steps:
-        print(f"note: --steps {config.steps} is not a multiple of one rollout (num_envs × num_steps = "
-              f"{config.rollout_size}); training {run_steps} steps ({config.num_updates} updates)")
+        print(
+            f"note: --steps {config.steps} is not a multiple of one rollout (num_envs × num_steps = "
+            f"{config.rollout_size}); training {run_steps} steps ({config.num_updates} updates)"
+        )
     with _stop_on_sigint(hard_stop=launched_world_size() == 1) as stop:
         result = train(config, stop)
     if not main_rank:
         return 130 if result.get("interrupted") else 0
     if result.get("interrupted"):
-        print(f"interrupted: saved policy.pt, metrics.jsonl and learning_curve.png in {result['out_dir']} after update "
-              f"{result['updates']} of {result['num_updates']} ({result['env_steps']} steps)")
+        print(
+            f"interrupted: saved policy.pt, metrics.jsonl and learning_curve.png in {result['out_dir']} after update "
+            f"{result['updates']} of {result['num_updates']} ({result['env_steps']} steps)"
+        )
         return 130
     print(f"evaluation: return {result['eval_return_mean']:.1f} ± {result['eval_return_std']:.1f}")
     return 0

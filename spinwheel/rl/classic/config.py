@@ -13,12 +13,36 @@ from spinwheel.config import option
 
 # Per-algorithm defaults for the fields left at None.
 ALGO_DEFAULTS: dict[str, dict[str, object]] = {
-    "ppo": dict(num_envs=8, num_steps=256, lr=3e-4, gae_lambda=0.95, minibatch_size=64, update_epochs=10,
-                anneal_lr=True, max_grad_norm=0.5),
-    "trpo": dict(num_envs=4, num_steps=512, lr=0.0, gae_lambda=0.97, minibatch_size=128, update_epochs=10,
-                 anneal_lr=False, max_grad_norm=None),
-    "vpg": dict(num_envs=4, num_steps=256, lr=3e-3, gae_lambda=0.97, minibatch_size=256, update_epochs=10,
-                anneal_lr=False, max_grad_norm=None),
+    "ppo": dict(
+        num_envs=8,
+        num_steps=256,
+        lr=3e-4,
+        gae_lambda=0.95,
+        minibatch_size=64,
+        update_epochs=10,
+        anneal_lr=True,
+        max_grad_norm=0.5,
+    ),
+    "trpo": dict(
+        num_envs=4,
+        num_steps=512,
+        lr=0.0,
+        gae_lambda=0.97,
+        minibatch_size=128,
+        update_epochs=10,
+        anneal_lr=False,
+        max_grad_norm=None,
+    ),
+    "vpg": dict(
+        num_envs=4,
+        num_steps=256,
+        lr=3e-3,
+        gae_lambda=0.97,
+        minibatch_size=256,
+        update_epochs=10,
+        anneal_lr=False,
+        max_grad_norm=None,
+    ),
 }
 
 
@@ -31,29 +55,33 @@ class ClassicConfig:
     steps: int = option(100_000, help="total environment steps (all environments, all ranks)")
     seed: int = option(0, help="seed of weights, environments, action sampling and minibatch order")
     num_envs: int | None = option(None, help="environments in total, split over ranks (ppo 8, trpo 4, vpg 4)")
-    num_steps: int | None = option(None, help="rollout length per environment per update (ppo 256, trpo 512, "
-                                               "vpg 256)")
+    num_steps: int | None = option(None, help="rollout length per environment per update (ppo 256, trpo 512, vpg 256)")
     gamma: float = option(0.99, help="discount factor")
     gae_lambda: float | None = option(None, help="GAE λ (ppo 0.95, trpo/vpg 0.97)")
     hidden_sizes: tuple[int, ...] = option((64, 64), help="hidden layer widths of the actor and of the critic")
     activation: Literal["tanh", "relu"] = option("tanh", help="hidden activation")
-    lr: float | None = option(None, help="Adam learning rate: ppo actor+critic (3e-4), vpg actor (3e-3); "
-                                         "unused by trpo")
+    lr: float | None = option(
+        None, help="Adam learning rate: ppo actor+critic (3e-4), vpg actor (3e-3); unused by trpo"
+    )
     vf_lr: float = option(1e-3, help="vpg/trpo critic Adam learning rate")
     anneal_lr: bool | None = option(None, help="decay learning rates linearly to 0 (default: on for ppo)")
     update_epochs: int | None = option(None, help="ppo: epochs over each rollout; vpg/trpo: critic epochs (10)")
     minibatch_size: int | None = option(None, help="samples per minibatch (ppo 64, trpo 128, vpg 256)")
     norm_adv: bool = option(True, help="normalise advantages (per minibatch for ppo, per rollout otherwise)")
     max_grad_norm: float | None = option(None, help="clip the global gradient norm (ppo 0.5, else off; 0: off)")
-    ppo_variant: Literal["clip", "penalty"] = option("clip", help="ppo: clipped surrogate, or KL penalty with an "
-                                                     "adaptive β (Schulman et al. 2017, §4)")
+    ppo_variant: Literal["clip", "penalty"] = option(
+        "clip", help="ppo: clipped surrogate, or KL penalty with an adaptive β (Schulman et al. 2017, §4)"
+    )
     clip_range: float = option(0.2, help="ppo clip: ratio clip ε")
     clip_range_vf: float | None = option(None, help="ppo: clip value predictions to ±this around old values")
     ent_coef: float = option(0.0, help="ppo: entropy bonus coefficient")
     vf_coef: float = option(0.5, help="ppo: value loss coefficient")
     penalty_beta: float = option(1.0, help="ppo penalty: initial KL coefficient β")
-    penalty_kl_target: float = option(0.01, help="ppo penalty: KL target d_targ; after each update β halves below "
-                                                 "d_targ/1.5 and doubles above 1.5·d_targ (0: β fixed)")
+    penalty_kl_target: float = option(
+        0.01,
+        help="ppo penalty: KL target d_targ; after each update β halves below "
+        "d_targ/1.5 and doubles above 1.5·d_targ (0: β fixed)",
+    )
     target_kl: float | None = option(None, help="ppo: stop the update when approx-KL exceeds 1.5 × this")
     max_kl: float = option(0.01, help="trpo: KL radius δ")
     cg_iters: int = option(10, help="trpo: conjugate-gradient iterations")
@@ -83,21 +111,27 @@ class ClassicConfig:
         checks = [
             (self.num_envs >= 1, f"num_envs must be ≥ 1, got {self.num_envs}"),
             (self.num_steps >= 1, f"num_steps must be ≥ 1, got {self.num_steps}"),
-            (self.steps >= self.num_envs * self.num_steps,
-             f"steps ({self.steps}) is less than one rollout (num_envs × num_steps = "
-             f"{self.num_envs * self.num_steps}); raise --steps or lower --num-steps / --num-envs"),
+            (
+                self.steps >= self.num_envs * self.num_steps,
+                f"steps ({self.steps}) is less than one rollout (num_envs × num_steps = "
+                f"{self.num_envs * self.num_steps}); raise --steps or lower --num-steps / --num-envs",
+            ),
             (0.0 < self.gamma <= 1.0, f"gamma must be in (0, 1], got {self.gamma}"),
             (0.0 <= self.gae_lambda <= 1.0, f"gae_lambda must be in [0, 1], got {self.gae_lambda}"),
-            (len(self.hidden_sizes) > 0 and all(h > 0 for h in self.hidden_sizes),
-             f"hidden_sizes must be positive widths, got {self.hidden_sizes}"),
+            (
+                len(self.hidden_sizes) > 0 and all(h > 0 for h in self.hidden_sizes),
+                f"hidden_sizes must be positive widths, got {self.hidden_sizes}",
+            ),
             (self.minibatch_size >= 1, f"minibatch_size must be ≥ 1, got {self.minibatch_size}"),
             (self.update_epochs >= 0, f"update_epochs must be ≥ 0, got {self.update_epochs}"),
             (self.algo != "ppo" or self.update_epochs >= 1, "ppo needs update_epochs ≥ 1"),
             (self.algo == "trpo" or self.lr > 0, f"lr must be > 0 for {self.algo}, got {self.lr}"),
             (self.vf_lr > 0, f"vf_lr must be > 0, got {self.vf_lr}"),
             (self.clip_range > 0, f"clip_range must be > 0, got {self.clip_range}"),
-            (self.ppo_variant in ("clip", "penalty"), f"ppo_variant must be 'clip' or 'penalty', got "
-                                                       f"{self.ppo_variant!r}"),
+            (
+                self.ppo_variant in ("clip", "penalty"),
+                f"ppo_variant must be 'clip' or 'penalty', got {self.ppo_variant!r}",
+            ),
             (self.algo == "ppo" or self.ppo_variant == "clip", f"ppo_variant applies to --algo ppo, not {self.algo}"),
             (self.penalty_beta > 0, f"penalty_beta must be > 0, got {self.penalty_beta}"),
             (self.penalty_kl_target >= 0, f"penalty_kl_target must be ≥ 0, got {self.penalty_kl_target}"),

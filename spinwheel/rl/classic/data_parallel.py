@@ -66,8 +66,10 @@ class DataParallel:
     def shard(self, num_items: int) -> slice:
         """The contiguous block of ``num_items`` (e.g. environments) this rank holds."""
         if num_items % self.world_size:
-            raise ValueError(f"{num_items} items do not split over {self.world_size} ranks; "
-                             "make num_envs a multiple of the number of processes")
+            raise ValueError(
+                f"{num_items} items do not split over {self.world_size} ranks; "
+                "make num_envs a multiple of the number of processes"
+            )
         size = num_items // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
@@ -110,8 +112,9 @@ class DataParallel:
             std, mean = torch.std_mean(x.detach().to(torch.float64))
             return mean, std
         x = x.detach().to(torch.float64)
-        n, total, squares = self.sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64),
-                                                  x.sum(), x.pow(2).sum()]))
+        n, total, squares = self.sum(
+            torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), x.pow(2).sum()])
+        )
         mean = total / n
         var = (squares - n * mean * mean) / (n - 1).clamp(min=1.0)
         return mean, var.clamp(min=0.0).sqrt()

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-
 MUJOCO_INSTALL = 'pip install -e ".[mujoco]"'
 
 
@@ -32,8 +31,10 @@ def make_env(env_id: str) -> gym.Env:
             raise ValueError(f"{env_id} needs MuJoCo, which is not installed; run {MUJOCO_INSTALL}") from e
         raise ValueError(f"{env_id} needs a package that is not installed: {e}") from e
     except gym.error.Error as e:
-        raise ValueError(f"unknown gymnasium environment {env_id!r}: {e} (list the ids with "
-                         "python -c 'import gymnasium; gymnasium.pprint_registry()')") from e
+        raise ValueError(
+            f"unknown gymnasium environment {env_id!r}: {e} (list the ids with "
+            "python -c 'import gymnasium; gymnasium.pprint_registry()')"
+        ) from e
 
 
 class RunningMeanStd:
@@ -170,8 +171,14 @@ class VecEnv:
             env.close()
 
 
-def evaluate_policy(policy, env_id: str, num_episodes: int, seed: int, obs_rms: RunningMeanStd | None = None,
-                    clip_obs: float | None = None) -> list[float]:
+def evaluate_policy(
+    policy,
+    env_id: str,
+    num_episodes: int,
+    seed: int,
+    obs_rms: RunningMeanStd | None = None,
+    clip_obs: float | None = None,
+) -> list[float]:
     """Undiscounted returns of ``num_episodes`` episodes with the deterministic action (argmax / mean).
 
     Episode ``k`` starts from ``reset(seed=seed + k)``; the observation statistics are frozen.

@@ -20,8 +20,9 @@ from torch import Tensor
 Stats = dict[str, Tensor]
 
 
-def ppo_penalty_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, kl: Tensor,
-                     beta: float) -> tuple[Tensor, Stats]:
+def ppo_penalty_loss(
+    logp_new: Tensor, logp_old: Tensor, advantages: Tensor, kl: Tensor, beta: float
+) -> tuple[Tensor, Stats]:
     """``-mean(r·A) + β·mean(KL)``, the negated L^KLPEN. Inputs ``(B,)``; ``kl[i] = KL(π_old ‖ π_θ)`` at s_i.
 
     stats: ``policy_loss`` (the whole loss), ``surrogate`` (``mean(r·A)``), ``kl`` (``mean(KL)``), ``approx_kl``

@@ -81,18 +81,25 @@ def _train(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None
         envs.close()
 
 
-def _run(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None, envs: VecEnv,
-         metrics_file: TextIO | None) -> dict:
+def _run(
+    config: ClassicConfig, dp: DataParallel, stop: threading.Event | None, envs: VecEnv, metrics_file: TextIO | None
+) -> dict:
     out_dir = Path(config.out_dir)
-    policy = ActorCritic(envs.single_observation_space, envs.single_action_space, config.hidden_sizes,
-                         config.activation)
+    policy = ActorCritic(
+        envs.single_observation_space, envs.single_action_space, config.hidden_sizes, config.activation
+    )
     algorithm = ALGORITHMS[config.algo](policy, config, dp)
     rollout = RolloutCollector(config, dp, envs, policy)
     shuffle_generator = torch.Generator().manual_seed(config.seed + 2)
 
     history: list[dict] = []
-    bar = tqdm(total=config.num_updates * config.rollout_size, unit="step", dynamic_ncols=True,
-               disable=not (config.progress and dp.is_main), desc=f"{config.algo} {config.env}")
+    bar = tqdm(
+        total=config.num_updates * config.rollout_size,
+        unit="step",
+        dynamic_ncols=True,
+        disable=not (config.progress and dp.is_main),
+        desc=f"{config.algo} {config.env}",
+    )
     start, start_cpu = time.perf_counter(), time.process_time()
     env_steps = 0
     interrupted = False
@@ -104,16 +111,23 @@ def _run(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None, 
             env_steps += config.rollout_size
             # Episode figures and the stop request travel in one collective: ranks stop at the same update.
             stop_requested = float(stop is not None and stop.is_set())
-            episodes = dp.sum(torch.tensor([sum(returns), float(len(returns)), float(sum(lengths)), stop_requested],
-                                           dtype=torch.float64))
+            episodes = dp.sum(
+                torch.tensor(
+                    [sum(returns), float(len(returns)), float(sum(lengths)), stop_requested], dtype=torch.float64
+                )
+            )
             elapsed = time.perf_counter() - start
             record = {
-                "update": update + 1, "env_steps": env_steps, "time_s": round(elapsed, 3),
+                "update": update + 1,
+                "env_steps": env_steps,
+                "time_s": round(elapsed, 3),
                 "env_steps_per_s": env_steps / elapsed,
                 "episodes": int(episodes[1].item()),
                 "episode_return_mean": (episodes[0] / episodes[1]).item() if episodes[1] > 0 else None,
                 "episode_length_mean": (episodes[2] / episodes[1]).item() if episodes[1] > 0 else None,
-                "explained_variance": _explained_variance(batch, dp), "lr_scale": lr_scale, **stats,
+                "explained_variance": _explained_variance(batch, dp),
+                "lr_scale": lr_scale,
+                **stats,
             }
             history.append(record)
             if metrics_file is not None:
@@ -129,9 +143,16 @@ def _run(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None, 
         train_seconds = time.perf_counter() - start
         train_cpu_seconds = time.process_time() - start_cpu
 
-        result = {"algo": config.algo, "env": config.env, "seed": config.seed, "env_steps": env_steps,
-                  "train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds,
-                  "env_steps_per_s": env_steps / max(train_seconds, 1e-9), "world_size": dp.world_size}
+        result = {
+            "algo": config.algo,
+            "env": config.env,
+            "seed": config.seed,
+            "env_steps": env_steps,
+            "train_seconds": train_seconds,
+            "train_cpu_seconds": train_cpu_seconds,
+            "env_steps_per_s": env_steps / max(train_seconds, 1e-9),
+            "world_size": dp.world_size,
+        }
         if interrupted:
             result.update(interrupted=True, updates=len(history), num_updates=config.num_updates)
         else:
@@ -142,8 +163,12 @@ def _run(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None, 
             metrics_file.flush()
             save_policy(policy, rollout.obs_rms, config, out_dir / "policy.pt")
             final = None if interrupted else (result["eval_return_mean"], result["eval_return_std"])
-            plot_learning_curve(history, out_dir / "learning_curve.png",
-                                title=f"{config.algo} {config.env} seed {config.seed}", final=final)
+            plot_learning_curve(
+                history,
+                out_dir / "learning_curve.png",
+                title=f"{config.algo} {config.env} seed {config.seed}",
+                final=final,
+            )
             result["out_dir"] = str(out_dir)
         return result
     finally:
@@ -155,9 +180,14 @@ def _evaluate(policy: ActorCritic, rollout: RolloutCollector, config: ClassicCon
     result: dict = {}
     eval_figures = torch.full((2,), float("nan"), dtype=torch.float64)
     if dp.is_main:
-        eval_returns = evaluate_policy(policy, config.env, config.eval_episodes, seed=config.seed + 1_000_000,
-                                       obs_rms=rollout.obs_rms,
-                                       clip_obs=config.clip_obs if config.normalize_obs else None)
+        eval_returns = evaluate_policy(
+            policy,
+            config.env,
+            config.eval_episodes,
+            seed=config.seed + 1_000_000,
+            obs_rms=rollout.obs_rms,
+            clip_obs=config.clip_obs if config.normalize_obs else None,
+        )
         if eval_returns:
             eval_figures = torch.tensor([np.mean(eval_returns), np.std(eval_returns)], dtype=torch.float64)
         result["eval_returns"] = eval_returns

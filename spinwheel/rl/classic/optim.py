@@ -22,8 +22,9 @@ from torch import Tensor, nn
 class FlatAdam:
     """Adam on ``params``, which are re-homed into :attr:`flat` (values) and :attr:`grad` (gradients)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8):
+    def __init__(
+        self, params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+    ):
         self.params = list(params)
         self.lr, self.betas, self.eps = lr, betas, eps
         numel = sum(p.numel() for p in self.params)
@@ -34,9 +35,9 @@ class FlatAdam:
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
-                self.flat[offset:offset + n].copy_(p.reshape(-1))
-                p.data = self.flat[offset:offset + n].view_as(p)
-                p.grad = self.grad[offset:offset + n].view_as(p)
+                self.flat[offset : offset + n].copy_(p.reshape(-1))
+                p.data = self.flat[offset : offset + n].view_as(p)
+                p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
         self.exp_avg = torch.zeros_like(self.flat)
         self.exp_avg_sq = torch.zeros_like(self.flat)
@@ -55,8 +56,8 @@ class FlatAdam:
     def step(self) -> None:
         beta1, beta2 = self.betas
         self.num_steps += 1
-        bias1 = 1.0 - beta1 ** self.num_steps
-        bias2 = 1.0 - beta2 ** self.num_steps
+        bias1 = 1.0 - beta1**self.num_steps
+        bias2 = 1.0 - beta2**self.num_steps
         self.exp_avg.lerp_(self.grad, 1.0 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(self.grad, self.grad, value=1.0 - beta2)
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.eps)

@@ -19,8 +19,14 @@ from spinwheel.rl.classic.policies import ActorCritic
 def save_policy(policy: ActorCritic, obs_rms: RunningMeanStd | None, config: ClassicConfig, path: Path) -> None:
     """Write ``policy.pt`` through a temporary file, so an interrupted save never leaves half a file behind."""
     partial = path.with_name(path.name + ".partial")
-    torch.save({"state_dict": policy.state_dict(), "obs_rms": None if obs_rms is None else obs_rms.state_dict(),
-                "config": dataclasses.asdict(config)}, partial)
+    torch.save(
+        {
+            "state_dict": policy.state_dict(),
+            "obs_rms": None if obs_rms is None else obs_rms.state_dict(),
+            "config": dataclasses.asdict(config),
+        },
+        partial,
+    )
     os.replace(partial, path)
 
 
@@ -52,11 +58,21 @@ def evaluate_saved(path: str | Path, num_episodes: int) -> dict:
     """Deterministic returns of a saved ``policy.pt`` on the run's own evaluation episodes (seeds
     ``seed + 1_000_000 + k``), so a finished run reproduces the figure it reported."""
     policy, obs_rms, config = load_policy(path)
-    returns = evaluate_policy(policy, config.env, num_episodes, seed=config.seed + 1_000_000, obs_rms=obs_rms,
-                              clip_obs=config.clip_obs if obs_rms is not None else None)
-    return {"env": config.env, "algo": config.algo, "eval_returns": returns,
-            "eval_return_mean": float(np.mean(returns)) if returns else float("nan"),
-            "eval_return_std": float(np.std(returns)) if returns else float("nan")}
+    returns = evaluate_policy(
+        policy,
+        config.env,
+        num_episodes,
+        seed=config.seed + 1_000_000,
+        obs_rms=obs_rms,
+        clip_obs=config.clip_obs if obs_rms is not None else None,
+    )
+    return {
+        "env": config.env,
+        "algo": config.algo,
+        "eval_returns": returns,
+        "eval_return_mean": float(np.mean(returns)) if returns else float("nan"),
+        "eval_return_std": float(np.std(returns)) if returns else float("nan"),
+    }
 
 
 def plot_learning_curve(history: list[dict], path: Path, title: str, final: tuple[float, float] | None = None) -> None:
@@ -72,8 +88,9 @@ def plot_learning_curve(history: list[dict], path: Path, title: str, final: tupl
         xs, ys = zip(*points)
         ax.plot(xs, ys, label="training episodes")
     if final is not None and history and not math.isnan(final[0]):
-        ax.errorbar([history[-1]["env_steps"]], [final[0]], yerr=[final[1]], fmt="o", capsize=4,
-                    label="deterministic eval")
+        ax.errorbar(
+            [history[-1]["env_steps"]], [final[0]], yerr=[final[1]], fmt="o", capsize=4, label="deterministic eval"
+        )
     ax.set_xlabel("environment steps")
     ax.set_ylabel("episode return")
     ax.set_title(title)

@@ -58,8 +58,9 @@ class MLP(nn.Module):
 class CategoricalActor(nn.Module):
     """π(a|s) over ``num_actions`` discrete actions."""
 
-    def __init__(self, obs_dim: int, num_actions: int, hidden_sizes: tuple[int, ...],
-                 activation: Callable[[Tensor], Tensor]):
+    def __init__(
+        self, obs_dim: int, num_actions: int, hidden_sizes: tuple[int, ...], activation: Callable[[Tensor], Tensor]
+    ):
         super().__init__()
         self.net = MLP([obs_dim, *hidden_sizes, num_actions], activation, out_gain=0.01)
 
@@ -96,8 +97,14 @@ class CategoricalActor(nn.Module):
 class GaussianActor(nn.Module):
     """π(a|s) = N(μ(s), diag(σ²)) with a state-independent learned ``log_std``."""
 
-    def __init__(self, obs_dim: int, action_dim: int, hidden_sizes: tuple[int, ...],
-                 activation: Callable[[Tensor], Tensor], init_log_std: float = 0.0):
+    def __init__(
+        self,
+        obs_dim: int,
+        action_dim: int,
+        hidden_sizes: tuple[int, ...],
+        activation: Callable[[Tensor], Tensor],
+        init_log_std: float = 0.0,
+    ):
         super().__init__()
         self.net = MLP([obs_dim, *hidden_sizes, action_dim], activation, out_gain=0.01)
         self.log_std = nn.Parameter(torch.full((action_dim,), init_log_std))
@@ -141,8 +148,13 @@ class GaussianActor(nn.Module):
 class ActorCritic(nn.Module):
     """Separate actor and critic MLPs (no shared trunk), as in SB3's default ``MlpPolicy`` for PPO/TRPO."""
 
-    def __init__(self, observation_space: gym.Space, action_space: gym.Space,
-                 hidden_sizes: tuple[int, ...] = (64, 64), activation: str = "tanh"):
+    def __init__(
+        self,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        hidden_sizes: tuple[int, ...] = (64, 64),
+        activation: str = "tanh",
+    ):
         super().__init__()
         if not isinstance(observation_space, gym.spaces.Box) or len(observation_space.shape) != 1:
             raise ValueError(f"classic policies take flat Box observations, got {observation_space}")
@@ -176,4 +188,3 @@ class ActorCritic(nn.Module):
     @torch.no_grad()
     def deterministic_action(self, obs: Tensor) -> Tensor:
         return self.actor.mode(self.actor(obs))
-

@@ -58,7 +58,7 @@ class PPO:
                     global_idx, idx = None, slice(None)
                     share = 1.0 / dp.world_size  # ranks hold equal parts of the rollout
                 else:
-                    global_idx = perm[start:start + cfg.minibatch_size]
+                    global_idx = perm[start : start + cfg.minibatch_size]
                     idx = dp.local_indices(global_idx, num_envs)
                     share = idx.numel() / global_idx.numel()  # this rank's share of the minibatch mean
 
@@ -75,8 +75,9 @@ class PPO:
                         pg_loss, pg_stats = ppo_clip_loss(log_probs, batch.log_probs[idx], advantages, cfg.clip_range)
                         last_stat = pg_stats["clip_frac"]
                     else:
-                        pg_loss, pg_stats = ppo_penalty_loss(log_probs, batch.log_probs[idx], advantages,
-                                                             actor.kl(pd_old[idx], pd), self.beta)
+                        pg_loss, pg_stats = ppo_penalty_loss(
+                            log_probs, batch.log_probs[idx], advantages, actor.kl(pd_old[idx], pd), self.beta
+                        )
                         last_stat = pg_stats["surrogate"]
                     v_loss, _ = value_loss(values, batch.returns[idx], batch.values[idx], cfg.clip_range_vf)
                     loss = pg_loss + cfg.vf_coef * v_loss
@@ -86,9 +87,19 @@ class PPO:
                     else:  # for the statistics only: keep it out of the graph
                         ent_loss, _ = entropy_loss(actor.entropy(pd.detach()))
                     (loss * share).backward()
-                    minibatch_stats = torch.stack([pg_loss.detach(), v_loss.detach(), -ent_loss.detach(),
-                                                   pg_stats["approx_kl"], pg_stats["approx_kl_k1"],
-                                                   last_stat]) * share
+                    minibatch_stats = (
+                        torch.stack(
+                            [
+                                pg_loss.detach(),
+                                v_loss.detach(),
+                                -ent_loss.detach(),
+                                pg_stats["approx_kl"],
+                                pg_stats["approx_kl_k1"],
+                                last_stat,
+                            ]
+                        )
+                        * share
+                    )
                 dp.sum_(optimizer.grad)
                 if cfg.max_grad_norm is not None:
                     optimizer.clip_grad_norm(cfg.max_grad_norm)

@@ -31,11 +31,17 @@ class RolloutCollector:
         self.config, self.dp, self.envs, self.policy = config, dp, envs, policy
         space = envs.single_action_space
         discrete = policy.discrete
-        self.buffer = RolloutBuffer(config.num_steps, envs.num_envs, envs.single_observation_space.shape,
-                                    () if discrete else space.shape, torch.int64 if discrete else torch.float32)
+        self.buffer = RolloutBuffer(
+            config.num_steps,
+            envs.num_envs,
+            envs.single_observation_space.shape,
+            () if discrete else space.shape,
+            torch.int64 if discrete else torch.float32,
+        )
         self.obs_rms = RunningMeanStd(envs.single_observation_space.shape) if config.normalize_obs else None
-        self.reward_scaler = (RewardScaler(envs.num_envs, config.gamma, config.clip_reward)
-                              if config.normalize_reward else None)
+        self.reward_scaler = (
+            RewardScaler(envs.num_envs, config.gamma, config.clip_reward) if config.normalize_reward else None
+        )
         self.noise_shape = policy.actor.noise_shape(config.num_envs)  # noise for all envs of all ranks
         self.env_slice = dp.shard(config.num_envs)
         self.generator = torch.Generator().manual_seed(config.seed + 1)
@@ -83,4 +89,3 @@ class RolloutCollector:
             seen = torch.from_numpy(np.stack(discounted_seen).reshape(-1))
             self.reward_scaler.rms.update_from_sums(self.dp.sum(RunningMeanStd.sums(seen)))
         return batch, returns, lengths
-

@@ -46,11 +46,29 @@ class TRPO:
         def kl() -> Tensor:
             return actor.kl(pd_old, actor(batch.obs)).mean() * share
 
-        stats = trust_region_step(self.actor_params, surrogate, kl, cfg.max_kl, cfg.cg_damping, cfg.cg_iters,
-                                  line_search=cfg.line_search, backtrack_coef=cfg.backtrack_coef,
-                                  max_backtracks=cfg.backtrack_iters, reduce=dp.sum)
+        stats = trust_region_step(
+            self.actor_params,
+            surrogate,
+            kl,
+            cfg.max_kl,
+            cfg.cg_damping,
+            cfg.cg_iters,
+            line_search=cfg.line_search,
+            backtrack_coef=cfg.backtrack_coef,
+            max_backtracks=cfg.backtrack_iters,
+            reduce=dp.sum,
+        )
         with torch.no_grad():
             entropy = dp.sum(actor.entropy(actor(batch.obs)).mean() * share).item()
-        v_loss = fit_value(self.policy.critic, self.critic_optimizer, batch.obs, batch.rewards_to_go,
-                           cfg.update_epochs, cfg.minibatch_size, num_envs, generator, dp)
+        v_loss = fit_value(
+            self.policy.critic,
+            self.critic_optimizer,
+            batch.obs,
+            batch.rewards_to_go,
+            cfg.update_epochs,
+            cfg.minibatch_size,
+            num_envs,
+            generator,
+            dp,
+        )
         return {**stats, "entropy": entropy, "value_loss": v_loss}

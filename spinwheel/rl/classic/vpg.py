@@ -48,8 +48,21 @@ class VPG:
             pd_new = self.policy.actor(batch.obs)
             kl = self.policy.actor.kl(pd.detach(), pd_new).mean()
             entropy = self.policy.actor.entropy(pd).mean()
-        v_loss = fit_value(self.policy.critic, self.critic_optimizer, batch.obs, batch.rewards_to_go,
-                           cfg.update_epochs, cfg.minibatch_size, num_envs, generator, dp)
+        v_loss = fit_value(
+            self.policy.critic,
+            self.critic_optimizer,
+            batch.obs,
+            batch.rewards_to_go,
+            cfg.update_epochs,
+            cfg.minibatch_size,
+            num_envs,
+            generator,
+            dp,
+        )
         reduced = dp.sum(torch.stack([stats["policy_loss"], kl, entropy]) * share)
-        return {"policy_loss": reduced[0].item(), "kl": reduced[1].item(), "entropy": reduced[2].item(),
-                "value_loss": v_loss}
+        return {
+            "policy_loss": reduced[0].item(),
+            "kl": reduced[1].item(),
+            "entropy": reduced[2].item(),
+            "value_loss": v_loss,
+        }

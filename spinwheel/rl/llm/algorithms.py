@@ -21,7 +21,7 @@ from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm_advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
-from spinwheel.rl.token_losses import grpo_loss, kl_per_token, truncated_is_weights
+from spinwheel.rl.token_losses import grpo_loss, truncated_is_weights
 
 
 class GroupPolicyGradient:
@@ -36,13 +36,24 @@ class GroupPolicyGradient:
     def needs_reference(self) -> bool:
         return self.config.beta > 0
 
-    def prepare(self, rewards: torch.Tensor, mask: torch.Tensor, inputs: Batch, old_logprobs: torch.Tensor | None,
-                ref_logprobs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def prepare(
+        self,
+        rewards: torch.Tensor,
+        mask: torch.Tensor,
+        inputs: Batch,
+        old_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
         """Per-row tensors the update reads: here only the advantages."""
         return {"advantages": self.advantages(rewards, mask, old_logprobs, ref_logprobs)}
 
-    def advantages(self, rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor | None,
-                   ref_logprobs: torch.Tensor | None) -> torch.Tensor:
+    def advantages(
+        self,
+        rewards: torch.Tensor,
+        mask: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Per-token advantages (B, T) from rewards (B,) of the rollout batch (rows prompt-major, groups of G);
         ``old_logprobs`` (B, T) are needed only for REINFORCE++'s KL in the reward."""
         c, g = self.config, self.config.group_size
@@ -69,10 +80,18 @@ class GroupPolicyGradient:
             old = out.logprobs.detach()
             if c.tis_cap is not None:
                 is_weights = truncated_is_weights(old, mb["engine_logprobs"], c.tis_cap)
-        loss, stats = grpo_loss(out.logprobs, old, mb["advantages"], mb["weights"],
-                                ref_logp=mb.get("ref_logprobs"), beta=c.beta if self.kl_in_loss else 0.0,
-                                eps_low=c.eps_low, eps_high=c.eps_high, kl_estimator=c.kl_estimator,
-                                is_weights=is_weights)
+        loss, stats = grpo_loss(
+            out.logprobs,
+            old,
+            mb["advantages"],
+            mb["weights"],
+            ref_logp=mb.get("ref_logprobs"),
+            beta=c.beta if self.kl_in_loss else 0.0,
+            eps_low=c.eps_low,
+            eps_high=c.eps_high,
+            kl_estimator=c.kl_estimator,
+            is_weights=is_weights,
+        )
         if out.entropy is not None:
             stats["entropy"] = (mb["weights"] * out.entropy).sum()
         return loss, stats

@@ -24,16 +24,23 @@ class RLConfig:
     """Policy-gradient post-training on rollouts from spinwheel's own engine (built-in task or your JSONL)."""
 
     algo: Literal["grpo", "rloo", "reinforce-pp", "ppo", "trpo"] = option(
-        "grpo", help="grpo (group-normalised advantages), rloo (leave-one-out baseline), reinforce-pp (REINFORCE++, "
-                     "batch-whitened returns), ppo (critic + token GAE + KL penalty), trpo (natural gradient in a "
-                     "KL trust region)", choices=ALGOS)
+        "grpo",
+        help="grpo (group-normalised advantages), rloo (leave-one-out baseline), reinforce-pp (REINFORCE++, "
+        "batch-whitened returns), ppo (critic + token GAE + KL penalty), trpo (natural gradient in a "
+        "KL trust region)",
+        choices=ALGOS,
+    )
     model: str = option("runs/sft/checkpoint", help="policy to start from: HF checkpoint directory or preset")
     data: str | None = option(None, help="RL JSONL with {prompt, answer} lines; default: the built-in task")
     eval_fraction: float = option(0.05, help="share of --data lines held out for evaluation")
-    reward: str = option("task", help="'task' (exact match of the answer) or a Python function 'module:function' "
-                                      "taking (completions, answers) and returning one float per completion")
-    reward_model: str | None = option(None, help="reward-model checkpoint (spinwheel rm) scoring prompt+completion "
-                                                 "(instead of --reward)")
+    reward: str = option(
+        "task",
+        help="'task' (exact match of the answer) or a Python function 'module:function' "
+        "taking (completions, answers) and returning one float per completion",
+    )
+    reward_model: str | None = option(
+        None, help="reward-model checkpoint (spinwheel rm) scoring prompt+completion (instead of --reward)"
+    )
     out_dir: str = option("runs/grpo", help="where checkpoint/, metrics.jsonl and curves.png are written")
     steps: int = option(200, help="rollout steps (each: generate, score, update)")
     prompts_per_step: int = option(8, help="prompts per rollout step")
@@ -53,29 +60,41 @@ class RLConfig:
     eps_low: float = option(0.2, help="lower clip range of the ratio (1 - eps_low)")
     eps_high: float = option(0.2, help="upper clip range (1 + eps_high); above eps_low: clip-higher (DAPO)")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = option(
-        "token-mean", help="loss aggregation over tokens and sequences", choices=("token-mean", "seq-mean-token-mean",
-                                                                                  "seq-mean-token-sum-norm"))
-    scale_rewards: bool = option(True, help="GRPO: divide group advantages by the group std (--no-scale-rewards "
-                                            "with --loss-agg seq-mean-token-sum-norm is Dr. GRPO)")
+        "token-mean",
+        help="loss aggregation over tokens and sequences",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    )
+    scale_rewards: bool = option(
+        True,
+        help="GRPO: divide group advantages by the group std (--no-scale-rewards "
+        "with --loss-agg seq-mean-token-sum-norm is Dr. GRPO)",
+    )
     dynamic_sampling: bool = option(False, help="drop groups whose rewards are all equal from the loss (DAPO)")
     gamma: float = option(1.0, help="ppo: discount of the per-token rewards")
     lam: float = option(0.95, help="ppo: GAE λ")
     critic_lr: float = option(1e-4, help="ppo: learning rate of the critic (a scalar-head copy of the policy)")
     value_clip: float | None = option(0.2, help="ppo: clip range of the value loss around the rollout values")
     whiten_advantages: bool = option(True, help="ppo: whiten the GAE advantages over the batch's tokens")
-    kl_target: float | None = option(None, help="ppo: target KL per sequence for the adaptive β controller "
-                                                "(Ziegler et al.); default: a fixed --beta")
+    kl_target: float | None = option(
+        None, help="ppo: target KL per sequence for the adaptive β controller (Ziegler et al.); default: a fixed --beta"
+    )
     kl_horizon: float = option(10000.0, help="ppo: horizon (samples) of the adaptive β controller")
     max_kl: float = option(0.01, help="trpo: trust-region radius δ on the mean per-token KL(π_old ‖ π_new)")
     cg_iters: int = option(10, help="trpo: conjugate-gradient iterations")
     cg_damping: float = option(0.1, help="trpo: damping added to the Fisher-vector products")
-    tis_cap: float | None = option(None, help="truncated importance sampling: weight tokens by min(π_trainer / "
-                                              "π_engine, C) to correct sampler/trainer mismatch (e.g. 2.0)")
+    tis_cap: float | None = option(
+        None,
+        help="truncated importance sampling: weight tokens by min(π_trainer / "
+        "π_engine, C) to correct sampler/trainer mismatch (e.g. 2.0)",
+    )
     eval_every: int = option(50, help="held-out greedy exact match every N steps (0: only at the start and end)")
     eval_examples: int = option(500, help="held-out prompts per evaluation")
     save_every: int = option(50, help="write a checkpoint every N steps (0: only at the end)")
-    seed: int = option(0, help="seed of the prompt order and of every sample (a function of seed, step, prompt, "
-                               "sample: the same completions in one process and under any torchrun layout)")
+    seed: int = option(
+        0,
+        help="seed of the prompt order and of every sample (a function of seed, step, prompt, "
+        "sample: the same completions in one process and under any torchrun layout)",
+    )
     resume: bool = option(True, help="resume from <out_dir>/checkpoint when it exists")
     dtype: str = option("float32", help="parameter dtype: float32, bfloat16 or float16 (GPUs)")
     device: str = option("cpu", help="torch device, e.g. cpu or cuda")
@@ -94,8 +113,17 @@ class RLConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2 (group baselines need two samples), got {self.group_size}")
-        for name in ("warmup_steps", "eval_every", "save_every", "num_threads", "beta", "weight_decay",
-                     "grad_clip", "eps_low", "eps_high"):
+        for name in (
+            "warmup_steps",
+            "eval_every",
+            "save_every",
+            "num_threads",
+            "beta",
+            "weight_decay",
+            "grad_clip",
+            "eps_low",
+            "eps_high",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -125,8 +153,10 @@ class RLConfig:
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
-            raise ValueError(f"--minibatches {self.minibatches} must divide the rollout batch of "
-                             f"{self.prompts_per_step} × {self.group_size} completions")
+            raise ValueError(
+                f"--minibatches {self.minibatches} must divide the rollout batch of "
+                f"{self.prompts_per_step} × {self.group_size} completions"
+            )
         resolve_dtype(self.dtype)
 
     @property

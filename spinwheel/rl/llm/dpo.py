@@ -33,10 +33,19 @@ from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import DPOConfig
 from spinwheel.rl.llm.pref_loop import RunDirs, check_layout, forward_rows, make_learner, open_logger, train_loop
-from spinwheel.rl.llm.preference_data import (PreferencePair, pair_tokens, pairs_from_jsonl, sample_groups,
-                                              self_generated_pairs, split_pairs, task_prompts)
+from spinwheel.rl.llm.preference_data import (
+    PreferencePair,
+    pair_tokens,
+    pairs_from_jsonl,
+    sample_groups,
+    self_generated_pairs,
+    split_pairs,
+    task_prompts,
+)
 from spinwheel.rl.preference import dpo_loss
-from spinwheel.tasks.arithmetic import ArithmeticTask, evaluate as task_evaluate, reward as task_reward
+from spinwheel.tasks.arithmetic import ArithmeticTask
+from spinwheel.tasks.arithmetic import evaluate as task_evaluate
+from spinwheel.tasks.arithmetic import reward as task_reward
 from spinwheel.train.learners import Learner, distributed_world
 from spinwheel.train.metrics import plot_curves, read_metrics
 
@@ -51,8 +60,13 @@ def dpo_batch(pairs: Sequence[PreferencePair], pad_id: int, device: str | torch.
     # Label t is token t+1: the completion's tokens prompt_len .. len-1 are the labels prompt_len-1 .. len-2.
     mask = ((pos >= prompt_lens[:, None] - 1) & (pos < lengths[:, None] - 1)).float()
     chosen = mask * (torch.arange(mask.shape[0]) % 2 == 0).float()[:, None]
-    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask,
-             "pair_weights": torch.full((tokens.shape[0],), 1.0 / len(pairs)), "nll_weights": chosen / chosen.sum()}
+    batch = {
+        "input_ids": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "mask": mask,
+        "pair_weights": torch.full((tokens.shape[0],), 1.0 / len(pairs)),
+        "nll_weights": chosen / chosen.sum(),
+    }
     if all(p.ref_logprobs is not None for p in pairs):
         batch["ref_logprobs"] = torch.tensor([v for p in pairs for v in p.ref_logprobs])  # type: ignore[union-attr]
     return {k: v.to(device) for k, v in batch.items()}
@@ -61,8 +75,9 @@ def dpo_batch(pairs: Sequence[PreferencePair], pad_id: int, device: str | torch.
 class DPOLoss:
     """The trainer loss (``LossFn``) of DPO / IPO over interleaved pair rows; see the module docstring."""
 
-    def __init__(self, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 nll_weight: float = 0.0) -> None:
+    def __init__(
+        self, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0, nll_weight: float = 0.0
+    ) -> None:
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.nll_weight = nll_weight
 
@@ -72,12 +87,20 @@ class DPOLoss:
         total = (logprobs * mask).sum(1)
         return total / mask.sum(1).clamp(min=1) if self.loss_type == "ipo" else total
 
-    def pair_loss(self, seq: torch.Tensor, ref: torch.Tensor, weights: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_loss(
+        self, seq: torch.Tensor, ref: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``dpo_loss`` of interleaved per-row policy / reference sequence log-probs (2p,)."""
-        return dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta=self.beta,
-                        loss_type=self.loss_type, label_smoothing=self.label_smoothing,  # type: ignore[arg-type]
-                        weights=weights)
+        return dpo_loss(
+            seq[0::2],
+            seq[1::2],
+            ref[0::2],
+            ref[1::2],
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,  # type: ignore[arg-type]
+            weights=weights,
+        )
 
     def __call__(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert out.logprobs is not None
@@ -93,35 +116,70 @@ class DPOLoss:
         return loss, stats
 
 
-def sequence_logprobs(learner: Learner, pairs: Sequence[PreferencePair], loss: DPOLoss, pad_id: int, chunk: int,
-                      device: str | torch.device = "cpu") -> torch.Tensor:
+def sequence_logprobs(
+    learner: Learner,
+    pairs: Sequence[PreferencePair],
+    loss: DPOLoss,
+    pad_id: int,
+    chunk: int,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
     """(2P,) interleaved sequence log-probs of ``pairs`` under ``learner`` (forward only; collective)."""
-    return forward_rows(learner, pairs, lambda part: dpo_batch(part, pad_id, device),
-                        lambda out, batch: loss.sequence_logprobs(out["logprobs"], batch["mask"]), chunk)
+    return forward_rows(
+        learner,
+        pairs,
+        lambda part: dpo_batch(part, pad_id, device),
+        lambda out, batch: loss.sequence_logprobs(out["logprobs"], batch["mask"]),
+        chunk,
+    )
 
 
-def with_reference(ref: Learner, pairs: Sequence[PreferencePair], loss: DPOLoss, pad_id: int, chunk: int,
-                   device: str | torch.device = "cpu") -> list[PreferencePair]:
+def with_reference(
+    ref: Learner,
+    pairs: Sequence[PreferencePair],
+    loss: DPOLoss,
+    pad_id: int,
+    chunk: int,
+    device: str | torch.device = "cpu",
+) -> list[PreferencePair]:
     """``pairs`` carrying the frozen reference's (chosen, rejected) sequence log-probs."""
     logp = sequence_logprobs(ref, pairs, loss, pad_id, chunk, device).tolist()
     return [dataclasses.replace(p, ref_logprobs=(logp[2 * i], logp[2 * i + 1])) for i, p in enumerate(pairs)]
 
 
-def _make_pairs(config: DPOConfig, tokenizer: Tokenizer, llm: LLM | None, dims: ParallelDims | None,
-                log: Any) -> tuple[list[PreferencePair], int]:
+def _make_pairs(
+    config: DPOConfig, tokenizer: Tokenizer, llm: LLM | None, dims: ParallelDims | None, log: Any
+) -> tuple[list[PreferencePair], int]:
     """The run's pairs (before the reference is attached) and the number dropped as too long."""
     if config.data is not None:
         return pairs_from_jsonl(config.data, tokenizer, add_eos=True, max_seq_len=config.max_seq_len)
     assert llm is not None
-    prompts = task_prompts(tokenizer, ArithmeticTask(config.task).train[:config.num_prompts])
-    groups = sample_groups(llm, prompts, config.group_size, config.max_new_tokens, config.temperature,
-                           config.top_p, config.seed, task_reward, dims)
+    prompts = task_prompts(tokenizer, ArithmeticTask(config.task).train[: config.num_prompts])
+    groups = sample_groups(
+        llm,
+        prompts,
+        config.group_size,
+        config.max_new_tokens,
+        config.temperature,
+        config.top_p,
+        config.seed,
+        task_reward,
+        dims,
+    )
     pairs = self_generated_pairs(groups, config.pairs_per_prompt)
-    log({"step": 0, "sample_reward_mean": sum(groups.rewards) / len(groups.rewards),
-         "num_mixed_prompts": groups.num_mixed, "num_pairs": len(pairs)})
+    log(
+        {
+            "step": 0,
+            "sample_reward_mean": sum(groups.rewards) / len(groups.rewards),
+            "num_mixed_prompts": groups.num_mixed,
+            "num_pairs": len(pairs),
+        }
+    )
     if len(pairs) < 2:
-        raise ValueError(f"only {len(pairs)} of {len(prompts)} prompts had both a correct and a wrong sample: "
-                         "raise --num-prompts, --group-size or --temperature")
+        raise ValueError(
+            f"only {len(pairs)} of {len(prompts)} prompts had both a correct and a wrong sample: "
+            "raise --num-prompts, --group-size or --temperature"
+        )
     return pairs, 0
 
 
@@ -168,13 +226,20 @@ def _run(config: DPOConfig, distributed: bool) -> dict[str, Any]:
     else:
         pairs, dropped = _make_pairs(config, tokenizer, llm, dims, log)
         train_pairs, eval_pairs = split_pairs(pairs, config.eval_fraction, config.seed)
-        eval_pairs = eval_pairs[:config.eval_examples]
+        eval_pairs = eval_pairs[: config.eval_examples]
         ref = make_learner(load_model(config.ref_model or config.model, **load), config, dims, frozen=True)
         train_pairs = with_reference(ref, train_pairs, loss, pad_id, config.batch_size, config.device)
         eval_pairs = with_reference(ref, eval_pairs, loss, pad_id, config.batch_size, config.device)
         del ref
-        log({"step": 0, "num_params": sum(p.numel() for p in set(policy.parameters())),
-             "num_train": len(train_pairs), "num_eval": len(eval_pairs), "num_dropped": dropped})
+        log(
+            {
+                "step": 0,
+                "num_params": sum(p.numel() for p in set(policy.parameters())),
+                "num_train": len(train_pairs),
+                "num_eval": len(eval_pairs),
+                "num_dropped": dropped,
+            }
+        )
 
     def evaluate(step: int) -> dict[str, Any]:
         ev: dict[str, Any] = {}
@@ -182,38 +247,62 @@ def _run(config: DPOConfig, distributed: bool) -> dict[str, Any]:
             seq = sequence_logprobs(learner, eval_pairs, loss, pad_id, config.batch_size, config.device)
             ref_seq = torch.tensor([v for p in eval_pairs for v in p.ref_logprobs])  # type: ignore[union-attr]
             value, stats = loss.pair_loss(seq, ref_seq)
-            ev.update(eval_loss=float(value), eval_margin=float(stats["margin"]),
-                      eval_accuracy=float(stats["accuracy"]), eval_logp_chosen=float(seq[0::2].mean()))
+            ev.update(
+                eval_loss=float(value),
+                eval_margin=float(stats["margin"]),
+                eval_accuracy=float(stats["accuracy"]),
+                eval_logp_chosen=float(seq[0::2].mean()),
+            )
         if task is not None:
             learner.sync_engine_model()  # collective: every rank calls it, the main rank generates
             if learner.is_main and llm is not None:
                 llm.update_weights(learner.engine_model)  # the engine's packed weights and prefix cache are stale
-                examples = task.test[:config.eval_examples]
+                examples = task.test[: config.eval_examples]
                 greedy = SamplingParams(temperature=0.0, max_tokens=config.max_new_tokens)
                 ev["eval_exact_match"] = task_evaluate(
-                    lambda texts: [o.outputs[0].text for o in llm.generate(texts, greedy)], examples,
-                    batch_size=len(examples)).exact_match
+                    lambda texts: [o.outputs[0].text for o in llm.generate(texts, greedy)],
+                    examples,
+                    batch_size=len(examples),
+                ).exact_match
         log({"step": step, **ev})
         return ev
 
     def save(step: int) -> None:
-        pairs = {"train": [dataclasses.asdict(p) for p in train_pairs],
-                 "eval": [dataclasses.asdict(p) for p in eval_pairs]}
+        pairs = {
+            "train": [dataclasses.asdict(p) for p in train_pairs],
+            "eval": [dataclasses.asdict(p) for p in eval_pairs],
+        }
         learner.save(dirs.ckpt_dir, tokenizer, {"step": step, "config": dataclasses.asdict(config), "pairs": pairs})
 
     result: dict[str, Any] = {"start_step": dirs.start_step, "num_train": len(train_pairs)}
     if dirs.state is None:
         result["eval_before"] = evaluate(0)
     policy.train()
-    history, end_step = train_loop(config, learner, train_pairs, lambda part: dpo_batch(part, pad_id, config.device),
-                                   loss, start_step=dirs.start_step, log=log, evaluate=evaluate, save=save,
-                                   desc=f"dpo-{config.loss_type}")
+    history, end_step = train_loop(
+        config,
+        learner,
+        train_pairs,
+        lambda part: dpo_batch(part, pad_id, config.device),
+        loss,
+        start_step=dirs.start_step,
+        log=log,
+        evaluate=evaluate,
+        save=save,
+        desc=f"dpo-{config.loss_type}",
+    )
     result.update(history=history, end_step=end_step, checkpoint=str(dirs.ckpt_dir))
     if end_step == config.steps:
         result["eval_after"] = evaluate(end_step)
     if learner.is_main:
-        plot_curves(read_metrics(dirs.out_dir / "metrics.jsonl"), dirs.out_dir / "curves.png",
-                    [("loss", f"{config.loss_type} loss"), ("margin", "reward margin (train)"),
-                     ("eval_margin", "reward margin (held-out)"), ("eval_exact_match", "held-out exact match")],
-                    title=f"DPO {config.model}")
+        plot_curves(
+            read_metrics(dirs.out_dir / "metrics.jsonl"),
+            dirs.out_dir / "curves.png",
+            [
+                ("loss", f"{config.loss_type} loss"),
+                ("margin", "reward margin (train)"),
+                ("eval_margin", "reward margin (held-out)"),
+                ("eval_exact_match", "held-out exact match"),
+            ],
+            title=f"DPO {config.model}",
+        )
     return result

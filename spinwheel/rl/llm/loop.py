@@ -25,36 +25,23 @@ from tqdm.auto import tqdm
 
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.hf import load_model
-from spinwheel.models.transformer import scalar_head_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch, LossFn
-from spinwheel.rl.llm.algorithms import GroupPolicyGradient
-from spinwheel.rl.llm.ppo import PPO
-from spinwheel.rl.llm.trpo import TRPO
+from spinwheel.rl.llm.build import load_prompts, make_algorithm
 from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.ppo import PPO
 from spinwheel.rl.llm.rewards import load_reward_fn, score
-from spinwheel.rl.llm.rollout import Prompt, generate_rollout, prompts_from_task, rollout_batch
+from spinwheel.rl.llm.rollout import generate_rollout, rollout_batch
+from spinwheel.rl.llm.trpo import TRPO
 from spinwheel.rl.token_losses import kl_per_token, logprob_mismatch, token_weights, truncated_is_weights
-from spinwheel.tasks.arithmetic import ArithmeticTask, evaluate
-from spinwheel.tasks.data import read_rl_jsonl
+from spinwheel.tasks.arithmetic import evaluate
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.interrupt import StopOnSignal
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.metrics import MetricsLogger, plot_curves
 from spinwheel.train.optim import lr_at
 from spinwheel.train.sft_data import batch_indices
-
-
-def load_prompts(config: RLConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, held-out) prompts: the built-in arithmetic task's splits, or ``--data`` split by ``eval_fraction``."""
-    if config.data is None:
-        task = ArithmeticTask(config.task)
-        return prompts_from_task(tokenizer, task.train), prompts_from_task(tokenizer, task.test)
-    rows = prompts_from_task(tokenizer, read_rl_jsonl(config.data))
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
-    return [rows[i] for i in order[num_eval:]], [rows[i] for i in order[:num_eval]]
 
 
 def reuses_update_logprobs(config: RLConfig, algo, learner: Learner) -> bool:
@@ -65,8 +52,12 @@ def reuses_update_logprobs(config: RLConfig, algo, learner: Learner) -> bool:
     (μ > 1 or minibatches), REINFORCE++'s KL in the reward (needed before the update) and parallel layouts (each
     rank's loss sees only its rows) keep the exact forward.
     """
-    return (config.updates_per_step == 1 and not getattr(algo, "kl_in_reward", False) and not learner.distributed
-            and config.algo not in ("ppo", "trpo"))  # PPO's KL reward and TRPO's surrogate need them first
+    return (
+        config.updates_per_step == 1
+        and not getattr(algo, "kl_in_reward", False)
+        and not learner.distributed
+        and config.algo not in ("ppo", "trpo")
+    )  # PPO's KL reward and TRPO's surrogate need them first
 
 
 def train_rl(config: RLConfig) -> dict[str, Any]:
@@ -97,9 +88,14 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     else:
         learner = LocalLearner(policy, optim)
         ref = LocalLearner(reference, None) if reference is not None else None
-    algo = make_algorithm(config, lambda: load_model(config.model, **load), distributed, dims,
-                          out_dir / "critic" if state is not None else None,
-                          int(state["step"]) if state is not None else 0)
+    algo = make_algorithm(
+        config,
+        lambda: load_model(config.model, **load),
+        distributed,
+        dims,
+        out_dir / "critic" if state is not None else None,
+        int(state["step"]) if state is not None else 0,
+    )
     start_step = 0
     if state is not None:
         learner.load(ckpt_dir, state)
@@ -117,10 +113,12 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     engine_options.update(max_model_len=longest + config.max_new_tokens + 1, seed=config.seed)
     assert learner.engine_model is not None
     llm = LLM(learner.engine_model, tokenizer, **engine_options)
-    engine_copy_mb = 0.0 if getattr(learner, "shares_weights", True) else \
-        sum(p.numel() * p.element_size() for p in learner.engine_model.parameters()) / 2**20
-    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None) if learner.is_main \
-        else None
+    engine_copy_mb = (
+        0.0
+        if getattr(learner, "shares_weights", True)
+        else sum(p.numel() * p.element_size() for p in learner.engine_model.parameters()) / 2**20
+    )
+    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None) if learner.is_main else None
 
     def log(record: dict[str, Any]) -> None:
         if logger is not None:
@@ -130,10 +128,13 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
         if not learner.is_main or not eval_prompts:
             return None
         greedy = SamplingParams(temperature=0.0, max_tokens=config.max_new_tokens)
-        examples = eval_prompts[:config.eval_examples]
+        examples = eval_prompts[: config.eval_examples]
         ids = {p.text: list(p.ids) for p in examples}
-        result = evaluate(lambda texts: [o.outputs[0].text for o in llm.generate([ids[t] for t in texts], greedy)],
-                          examples, batch_size=len(examples))
+        result = evaluate(
+            lambda texts: [o.outputs[0].text for o in llm.generate([ids[t] for t in texts], greedy)],
+            examples,
+            batch_size=len(examples),
+        )
         log({"step": step, "eval_exact_match": result.exact_match})
         return result.exact_match
 
@@ -157,16 +158,30 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
             trained.append(out.logprobs.detach())
         return algo.loss(out, mb)
 
-    bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step, desc=config.algo,
-               disable=not (config.progress and learner.is_main), dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 10.0)
+    bar = tqdm(
+        range(start_step, end_step),
+        total=config.steps,
+        initial=start_step,
+        desc=config.algo,
+        disable=not (config.progress and learner.is_main),
+        dynamic_ncols=True,
+        mininterval=1.0 if sys.stderr.isatty() else 10.0,
+    )
     with StopOnSignal(learner.distributed) as stop:
         for step in bar:
             t = {"start": time.perf_counter()}
             idx = batch_indices(step, config.prompts_per_step, len(train_prompts), config.seed)
-            rollout = generate_rollout(llm, [train_prompts[i] for i in idx], step, config.seed, config.group_size,
-                                       config.max_new_tokens, config.temperature, config.top_p,
-                                       dims if distributed else None)
+            rollout = generate_rollout(
+                llm,
+                [train_prompts[i] for i in idx],
+                step,
+                config.seed,
+                config.group_size,
+                config.max_new_tokens,
+                config.temperature,
+                config.top_p,
+                dims if distributed else None,
+            )
             t["generate"] = time.perf_counter()
             context = [p.text if config.reward_model else p.answer for p in rollout.row_prompts]
             rewards = score(reward_fn, rollout.texts, context, "reward-model" if config.reward_model else "reward")
@@ -203,10 +218,15 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
             llm.update_weights(learner.engine_model)  # ZeRO-1/2 write through flat buckets: repack explicitly
             t["sync"] = time.perf_counter()
             weights = token_weights(mask, "token-mean")
-            record = {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                      "response_len": float(mask.sum(1).mean()), "kept_groups": float(keep.sum()) / config.group_size,
-                      **{k: float(v) for k, v in logprob_mismatch(old, batch["engine_logprobs"], mask).items()},
-                      **stats}
+            record = {
+                "step": step + 1,
+                "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std()),
+                "response_len": float(mask.sum(1).mean()),
+                "kept_groups": float(keep.sum()) / config.group_size,
+                **{k: float(v) for k, v in logprob_mismatch(old, batch["engine_logprobs"], mask).items()},
+                **stats,
+            }
             if ref_logp is not None:
                 record["kl_ref"] = float((weights * kl_per_token(old, ref_logp, config.kl_estimator)).sum())
             phases = ["generate", "score", "logprobs", "update", "sync"]
@@ -233,41 +253,30 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     if end_step == config.steps:
         result["eval_after"] = run_eval(end_step)
     if logger is not None:
-        plot_curves(logger.read(), out_dir / "curves.png",
-                    [("reward_mean", "sampled reward"), ("eval_exact_match", "held-out exact match (greedy)"),
-                     ("kl_ref" if config.beta > 0 else "approx_kl", "KL"), ("clip_frac", "clip fraction"),
-                     ("response_len", "completion tokens")], title=f"{config.algo} {config.model}")
+        plot_curves(
+            logger.read(),
+            out_dir / "curves.png",
+            [
+                ("reward_mean", "sampled reward"),
+                ("eval_exact_match", "held-out exact match (greedy)"),
+                ("kl_ref" if config.beta > 0 else "approx_kl", "KL"),
+                ("clip_frac", "clip fraction"),
+                ("response_len", "completion tokens"),
+            ],
+            title=f"{config.algo} {config.model}",
+        )
     return result
 
 
-def make_algorithm(config: RLConfig, initial_policy, distributed: bool, dims, critic_dir: Path | None,
-                   resume_step: int = 0):
-    """The configured algorithm; PPO builds its critic (a scalar-head copy of the initial policy's body, or the
-    saved critic when resuming) on a learner of the policy's layout."""
-    if config.algo == "trpo":
-        return TRPO(config)
-    if config.algo != "ppo":
-        return GroupPolicyGradient(config)
-    if critic_dir is not None:
-        critic_model = load_model(critic_dir, dtype=config.dtype, device=config.device)
-    else:
-        critic_model = scalar_head_model(initial_policy(), seed=config.seed)
-    optim = OptimConfig(config.critic_lr, 0.0, config.grad_clip)
-    critic: Learner = (ParallelLearner(critic_model, optim, config.parallel, dims, engine_copy="none")
-                       if distributed else LocalLearner(critic_model, optim))
-    algo = PPO(config, critic)
-    if critic_dir is not None:
-        state = load_trainer_state(critic_dir)
-        if state is None or state["step"] != resume_step:
-            raise ValueError(f"{critic_dir} does not match the policy checkpoint at step {resume_step} (the run "
-                             "stopped between the two saves); rerun with --no-resume to start over")
-        critic.load(critic_dir, state)
-        algo.kl.load_state_dict(state["kl_coef"])
-    return algo
-
-
-def _update(config: RLConfig, learner: Learner, algo, loss_fn: LossFn, per_row: dict[str, torch.Tensor],
-            step: int, total_updates: int) -> dict[str, float]:
+def _update(
+    config: RLConfig,
+    learner: Learner,
+    algo,
+    loss_fn: LossFn,
+    per_row: dict[str, torch.Tensor],
+    step: int,
+    total_updates: int,
+) -> dict[str, float]:
     """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch (TRPO: one trust-region step);
     PPO steps its critic on each minibatch too. Returns the mean stats."""
     if isinstance(algo, TRPO):
@@ -285,7 +294,7 @@ def _update(config: RLConfig, learner: Learner, algo, loss_fn: LossFn, per_row: 
             if order is None:  # the whole batch in its order: no copies
                 mb, mask = {key: v for key, v in per_row.items() if key != "mask"}, per_row["mask"]
             else:
-                rows = order[k * size:(k + 1) * size].to(per_row["input_ids"].device)
+                rows = order[k * size : (k + 1) * size].to(per_row["input_ids"].device)
                 mb = {key: v[rows] for key, v in per_row.items() if key != "mask"}
                 mask = per_row["mask"][rows]
             mb["weights"] = token_weights(mask, config.loss_agg, max_len=config.max_new_tokens)
@@ -293,8 +302,7 @@ def _update(config: RLConfig, learner: Learner, algo, loss_fn: LossFn, per_row: 
             lr = lr_at(update, config.lr, config.warmup_steps, total_updates, config.min_lr_ratio)
             out = learner.train_step(mb, loss_fn, lr, entropy=True)
             extra = algo.critic_step(mb, mask, lr / config.lr) if isinstance(algo, PPO) else {}
-            for key, v in {**out.stats, **extra, "loss": out.loss, "grad_norm": out.grad_norm or 0.0,
-                           "lr": lr}.items():
+            for key, v in {**out.stats, **extra, "loss": out.loss, "grad_norm": out.grad_norm or 0.0, "lr": lr}.items():
                 sums[key] = sums.get(key, 0.0) + v
             n += 1
     return {key: v / n for key, v in sums.items()}

@@ -25,15 +25,24 @@ class PPO:
 
     def __init__(self, config: RLConfig, critic: Learner) -> None:
         self.config, self.critic = config, critic
-        self.kl = (AdaptiveKLController(config.beta, config.kl_target, config.kl_horizon) if config.kl_target
-                   else FixedKLController(config.beta))
+        self.kl = (
+            AdaptiveKLController(config.beta, config.kl_target, config.kl_horizon)
+            if config.kl_target
+            else FixedKLController(config.beta)
+        )
 
     @property
     def needs_reference(self) -> bool:
         return self.config.beta > 0
 
-    def prepare(self, rewards: torch.Tensor, mask: torch.Tensor, inputs: Batch, old_logprobs: torch.Tensor,
-                ref_logprobs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def prepare(
+        self,
+        rewards: torch.Tensor,
+        mask: torch.Tensor,
+        inputs: Batch,
+        old_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
         """Per-row tensors for the update: whitened GAE advantages, value targets and the rollout-time values."""
         c = self.config
         values = self.critic.forward(inputs)["values"] * mask
@@ -49,8 +58,15 @@ class PPO:
     def loss(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert out.logprobs is not None
         c = self.config
-        loss, stats = clipped_policy_loss(out.logprobs, mb["old_logprobs"], mb["advantages"], mb["weights"],
-                                          c.eps_low, c.eps_high, mb.get("is_weights"))
+        loss, stats = clipped_policy_loss(
+            out.logprobs,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["weights"],
+            c.eps_low,
+            c.eps_high,
+            mb.get("is_weights"),
+        )
         if out.entropy is not None:
             stats["entropy"] = (mb["weights"] * out.entropy).sum()
         return loss, stats

@@ -25,8 +25,10 @@ class PreferenceConfig:
     """Training on preference pairs (built-in arithmetic task or a {prompt, chosen, rejected} JSONL)."""
 
     model: str = option("runs/demo/checkpoint", help="checkpoint (or preset) to start from")
-    data: str | None = option(None, help="preference JSONL with {prompt, chosen, rejected} lines; default: pairs "
-                                         "built from the arithmetic task")
+    data: str | None = option(
+        None,
+        help="preference JSONL with {prompt, chosen, rejected} lines; default: pairs built from the arithmetic task",
+    )
     eval_fraction: float = option(0.05, help="share of the pairs held out for evaluation")
     out_dir: str = option("runs/pref", help="where checkpoint/, metrics.jsonl and curves.png are written")
     steps: int = option(200, help="optimizer steps")
@@ -83,15 +85,23 @@ class DPOConfig(PreferenceConfig):
 
     out_dir: str = option("runs/dpo", help="where checkpoint/, metrics.jsonl and curves.png are written")
     ref_model: str | None = option(None, help="frozen reference policy (default: --model, the starting policy)")
-    loss_type: Literal["sigmoid", "ipo"] = option("sigmoid", help="sigmoid (DPO; with --label-smoothing: "
-                                                  "conservative DPO) or ipo (on length-averaged log-probs)",
-                                                  choices=("sigmoid", "ipo"))
+    loss_type: Literal["sigmoid", "ipo"] = option(
+        "sigmoid",
+        help="sigmoid (DPO; with --label-smoothing: conservative DPO) or ipo (on length-averaged log-probs)",
+        choices=("sigmoid", "ipo"),
+    )
     beta: float = option(0.1, help="β: strength of the KL anchor to the reference (IPO's τ)")
     label_smoothing: float = option(0.0, help="conservative DPO: probability ε in [0, 0.5] that a label is flipped")
-    nll_weight: float = option(0.0, help="RPO: add this times the token-mean NLL of the chosen completions, so "
-                                         "DPO does not lower the likelihood of the preferred answers (0: off)")
-    num_prompts: int = option(1024, help="self-generated pairs: task prompts to sample --group-size completions for "
-                                         "(prompts whose samples are all right or all wrong give no pair)")
+    nll_weight: float = option(
+        0.0,
+        help="RPO: add this times the token-mean NLL of the chosen completions, so "
+        "DPO does not lower the likelihood of the preferred answers (0: off)",
+    )
+    num_prompts: int = option(
+        1024,
+        help="self-generated pairs: task prompts to sample --group-size completions for "
+        "(prompts whose samples are all right or all wrong give no pair)",
+    )
     pairs_per_prompt: int = option(1, help="self-generated pairs: most (correct, wrong) pairs kept per prompt")
 
     def __post_init__(self) -> None:
@@ -117,14 +127,22 @@ class DPOConfig(PreferenceConfig):
 class RMConfig(PreferenceConfig):
     """Reward-model training (Bradley–Terry) of a scalar-head model on preference pairs."""
 
-    model: str = option("runs/demo/checkpoint", help="checkpoint (or preset) to start from: an LM gets a fresh "
-                                                     "score head on a copy of its body, a reward model trains on")
+    model: str = option(
+        "runs/demo/checkpoint",
+        help="checkpoint (or preset) to start from: an LM gets a fresh "
+        "score head on a copy of its body, a reward model trains on",
+    )
     out_dir: str = option("runs/rm", help="where checkpoint/, metrics.jsonl and curves.png are written")
     lr: float = option(1e-3, help="peak learning rate (AdamW)")
-    num_train_pairs: int = option(4000, help="built-in task: training pairs (one per training problem, the right "
-                                             "answer against a random wrong number)")
-    policy: str | None = option(None, help="policy checkpoint whose own wrong answers on held-out prompts form a "
-                                           "second test set (chosen: the right answer; rejected: its mistake)")
+    num_train_pairs: int = option(
+        4000,
+        help="built-in task: training pairs (one per training problem, the right answer against a random wrong number)",
+    )
+    policy: str | None = option(
+        None,
+        help="policy checkpoint whose own wrong answers on held-out prompts form a "
+        "second test set (chosen: the right answer; rejected: its mistake)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

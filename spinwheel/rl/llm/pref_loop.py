@@ -33,8 +33,14 @@ BuildBatch = Callable[[Sequence[PreferencePair]], Batch]  # pairs -> trainer bat
 Evaluate = Callable[[int], dict[str, Any] | None]  # step -> held-out figures (logged by the callee)
 
 
-def make_learner(model: Transformer, config: PreferenceConfig, dims: ParallelDims | None, *, frozen: bool = False,
-                 engine_copy: str = "main") -> Learner:
+def make_learner(
+    model: Transformer,
+    config: PreferenceConfig,
+    dims: ParallelDims | None,
+    *,
+    frozen: bool = False,
+    engine_copy: str = "main",
+) -> Learner:
     """The single-process reference without ``dims``, else the parallel trainer (one learner per rank);
     ``frozen``: no optimizer (a reference model, forward only)."""
     optim = None if frozen else OptimConfig(config.lr, config.weight_decay, config.grad_clip)
@@ -57,7 +63,7 @@ class RunDirs:
     state: dict[str, Any] | None  # trainer_state.pt of the checkpoint being resumed, if any
 
     @classmethod
-    def open(cls, config: PreferenceConfig) -> "RunDirs":
+    def open(cls, config: PreferenceConfig) -> RunDirs:
         out_dir = Path(config.out_dir)
         ckpt_dir = out_dir / "checkpoint"
         state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
@@ -68,45 +74,73 @@ class RunDirs:
         return int(self.state["step"]) if self.state is not None else 0
 
 
-def forward_rows(learner: Learner, pairs: Sequence[PreferencePair], build: BuildBatch,
-                 reduce: Callable[[dict[str, torch.Tensor], Batch], torch.Tensor], chunk: int) -> torch.Tensor:
+def forward_rows(
+    learner: Learner,
+    pairs: Sequence[PreferencePair],
+    build: BuildBatch,
+    reduce: Callable[[dict[str, torch.Tensor], Batch], torch.Tensor],
+    chunk: int,
+) -> torch.Tensor:
     """``reduce(outputs, batch)`` -> (2p,) per-row figures of a forward over ``pairs`` in chunks of ``chunk`` pairs,
     concatenated (2P,). The last chunk is topped up with copies of its last pair so every forward has the same
     number of rows (what the layout divides); their rows are dropped. Collective under torchrun."""
     out = []
     for start in range(0, len(pairs), chunk):
-        part = list(pairs[start:start + chunk])
+        part = list(pairs[start : start + chunk])
         batch = build(part + [part[-1]] * (chunk - len(part)))
-        out.append(reduce(learner.forward(batch), batch)[:2 * len(part)].cpu())
+        out.append(reduce(learner.forward(batch), batch)[: 2 * len(part)].cpu())
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def train_loop(config: PreferenceConfig, learner: Learner, pairs: Sequence[PreferencePair], build: BuildBatch,
-               loss_fn: LossFn, *, start_step: int, log: Callable[[dict[str, Any]], None], evaluate: Evaluate,
-               save: Callable[[int], None], desc: str) -> tuple[list[dict[str, Any]], int]:
+def train_loop(
+    config: PreferenceConfig,
+    learner: Learner,
+    pairs: Sequence[PreferencePair],
+    build: BuildBatch,
+    loss_fn: LossFn,
+    *,
+    start_step: int,
+    log: Callable[[dict[str, Any]], None],
+    evaluate: Evaluate,
+    save: Callable[[int], None],
+    desc: str,
+) -> tuple[list[dict[str, Any]], int]:
     """Steps ``start_step`` .. the end of this run (``steps`` or ``stop_after``); returns (per-step records, the
     last step). Saves at ``save_every`` and at the end; on Ctrl-C in one process saves where it stopped."""
     end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
     history: list[dict[str, Any]] = []
-    bar = tqdm(range(start_step, end_step), total=config.steps, initial=start_step, desc=desc,
-               disable=not (config.progress and learner.is_main), dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 10.0)  # logs (not a terminal) get a line per 10 s
+    bar = tqdm(
+        range(start_step, end_step),
+        total=config.steps,
+        initial=start_step,
+        desc=desc,
+        disable=not (config.progress and learner.is_main),
+        dynamic_ncols=True,
+        mininterval=1.0 if sys.stderr.isatty() else 10.0,
+    )  # logs (not a terminal) get a line per 10 s
     t0 = time.perf_counter()
     try:
         for step in bar:
             batch = build([pairs[i] for i in batch_indices(step, config.batch_size, len(pairs), config.seed)])
             lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
             out = learner.train_step(batch, loss_fn, lr)
-            record = {"step": step + 1, **out.stats, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
-                      "pairs_per_s": (len(history) + 1) * config.batch_size / (time.perf_counter() - t0)}
+            record = {
+                "step": step + 1,
+                **out.stats,
+                "loss": out.loss,
+                "lr": lr,
+                "grad_norm": out.grad_norm,
+                "pairs_per_s": (len(history) + 1) * config.batch_size / (time.perf_counter() - t0),
+            }
             log(record)
             history.append(record)
             bar.set_postfix(loss=f"{out.loss:.4f}", acc=f"{out.stats.get('accuracy', 0.0):.2f}", refresh=False)
             done = step + 1
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 if (ev := evaluate(done)) is not None:
-                    bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()
-                                                           if isinstance(v, float)))
+                    bar.write(
+                        f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float))
+                    )
             if config.save_every and done % config.save_every == 0 and done < end_step:
                 save(done)
     except KeyboardInterrupt:
@@ -123,6 +157,9 @@ def train_loop(config: PreferenceConfig, learner: Learner, pairs: Sequence[Prefe
 
 def open_logger(learner: Learner, dirs: RunDirs) -> Callable[[dict[str, Any]], None]:
     """``log(record)``: appends to metrics.jsonl on the main rank (resumed runs drop records after the step)."""
-    logger = MetricsLogger(dirs.out_dir, resume_step=dirs.start_step if dirs.state is not None else None) \
-        if learner.is_main else None
+    logger = (
+        MetricsLogger(dirs.out_dir, resume_step=dirs.start_step if dirs.state is not None else None)
+        if learner.is_main
+        else None
+    )
     return logger.log if logger is not None else (lambda record: None)

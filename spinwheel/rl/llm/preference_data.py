@@ -51,8 +51,7 @@ class PreferencePair:
         return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
 
 
-def tokenize_pair(tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str, *, add_eos: bool
-                  ) -> PreferencePair:
+def tokenize_pair(tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str, *, add_eos: bool) -> PreferencePair:
     """Tokenize a text pair (the prompt with the tokenizer's special tokens, completions without, EOS appended to
     both when ``add_eos``)."""
     eos = (tokenizer.eos_id,) if add_eos and tokenizer.eos_id is not None else ()
@@ -60,12 +59,14 @@ def tokenize_pair(tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str,
     return PreferencePair(prompt, tuple(tokenizer.encode(prompt)), tuple(c) + eos, tuple(r) + eos)
 
 
-def pairs_from_jsonl(path: str | os.PathLike[str], tokenizer: Tokenizer, *, add_eos: bool, max_seq_len: int
-                     ) -> tuple[list[PreferencePair], int]:
+def pairs_from_jsonl(
+    path: str | os.PathLike[str], tokenizer: Tokenizer, *, add_eos: bool, max_seq_len: int
+) -> tuple[list[PreferencePair], int]:
     """Pairs of a ``{"prompt", "chosen", "rejected"}`` JSONL file (bad lines raise ``path:line: ...``); pairs
     longer than ``max_seq_len`` are dropped. Returns (pairs, number dropped)."""
-    pairs = [tokenize_pair(tokenizer, r.prompt, r.chosen, r.rejected, add_eos=add_eos)
-             for r in read_preference_jsonl(path)]
+    pairs = [
+        tokenize_pair(tokenizer, r.prompt, r.chosen, r.rejected, add_eos=add_eos) for r in read_preference_jsonl(path)
+    ]
     kept = [p for p in pairs if p.length <= max_seq_len]
     if not kept:
         raise ValueError(f"{path}: every pair is longer than --max-seq-len {max_seq_len}; raise it")
@@ -74,7 +75,7 @@ def pairs_from_jsonl(path: str | os.PathLike[str], tokenizer: Tokenizer, *, add_
 
 def answer_range(op: str, num_digits: int) -> tuple[int, int]:
     """The smallest and largest answer of ``op`` on operands 0 .. 10**num_digits - 1."""
-    top = 10 ** num_digits - 1
+    top = 10**num_digits - 1
     return {"+": (0, 2 * top), "-": (-top, top), "*": (0, top * top)}[op]
 
 
@@ -91,12 +92,14 @@ def random_wrong_answer(example: Example, rng: random.Random) -> str:
     return str(wrong)
 
 
-def arithmetic_pairs(examples: Sequence[Example], tokenizer: Tokenizer, seed: int, *, add_eos: bool
-                     ) -> list[PreferencePair]:
+def arithmetic_pairs(
+    examples: Sequence[Example], tokenizer: Tokenizer, seed: int, *, add_eos: bool
+) -> list[PreferencePair]:
     """One pair per example: chosen the correct answer, rejected :func:`random_wrong_answer` (seeded)."""
     rng = random.Random(seed)
-    return [tokenize_pair(tokenizer, e.prompt, e.answer, random_wrong_answer(e, rng), add_eos=add_eos)
-            for e in examples]
+    return [
+        tokenize_pair(tokenizer, e.prompt, e.answer, random_wrong_answer(e, rng), add_eos=add_eos) for e in examples
+    ]
 
 
 @dataclass(frozen=True)
@@ -129,12 +132,12 @@ class SampledGroups:
     @property
     def num_mixed(self) -> int:
         """Prompts with at least one correct and one wrong sample."""
-        return sum(1 for p in range(len(self.prompts))
-                   if len({self.rewards[i] > 0.5 for i in self.group(p)}) == 2)
+        return sum(1 for p in range(len(self.prompts)) if len({self.rewards[i] > 0.5 for i in self.group(p)}) == 2)
 
 
-def _sample_share(llm: LLM, prompts: list[TaskPrompt], first: int, params: SamplingParams, seed: int
-                  ) -> list[tuple[list[int], str]]:
+def _sample_share(
+    llm: LLM, prompts: list[TaskPrompt], first: int, params: SamplingParams, seed: int
+) -> list[tuple[list[int], str]]:
     requests = [dataclasses.replace(params, seed=seed * 1_000_033 + first + k) for k in range(len(prompts))]
     out = []
     for p, result in zip(prompts, llm.generate([list(p.ids) for p in prompts], requests)):
@@ -144,9 +147,17 @@ def _sample_share(llm: LLM, prompts: list[TaskPrompt], first: int, params: Sampl
     return out
 
 
-def sample_groups(llm: LLM, prompts: list[TaskPrompt], group_size: int, max_new_tokens: int, temperature: float,
-                  top_p: float, seed: int, reward: Callable[[str, str], float], dims: ParallelDims | None = None
-                  ) -> SampledGroups:
+def sample_groups(
+    llm: LLM,
+    prompts: list[TaskPrompt],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    reward: Callable[[str, str], float],
+    dims: ParallelDims | None = None,
+) -> SampledGroups:
     """Sample ``group_size`` completions per prompt on the engine and score each with ``reward(text, answer)``.
 
     Prompt k is sampled with its own seed (a function of ``seed`` and k; the engine derives sample j's generator
@@ -162,7 +173,7 @@ def sample_groups(llm: LLM, prompts: list[TaskPrompt], group_size: int, max_new_
 
         share = -(-len(prompts) // dp_size)
         rank = dims.dp_axis.rank  # type: ignore[union-attr]
-        mine = _sample_share(llm, prompts[rank * share:(rank + 1) * share], rank * share, params, seed)
+        mine = _sample_share(llm, prompts[rank * share : (rank + 1) * share], rank * share, params, seed)
         gathered: list[object] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (rank, mine))
         by_rank: dict[int, list[tuple[list[int], str]]] = {}
@@ -171,8 +182,9 @@ def sample_groups(llm: LLM, prompts: list[TaskPrompt], group_size: int, max_new_
         samples = [s for r in range(dp_size) for s in by_rank[r]]
     texts = [t for _, t in samples]
     rows = [p for p in prompts for _ in range(group_size)]
-    return SampledGroups(prompts, group_size, [ids for ids, _ in samples], texts,
-                         [reward(t, p.answer) for t, p in zip(texts, rows)])
+    return SampledGroups(
+        prompts, group_size, [ids for ids, _ in samples], texts, [reward(t, p.answer) for t, p in zip(texts, rows)]
+    )
 
 
 def self_generated_pairs(groups: SampledGroups, max_pairs_per_prompt: int = 1) -> list[PreferencePair]:
@@ -214,12 +226,13 @@ def pair_tokens(pairs: Sequence[PreferencePair], pad_id: int) -> tuple[torch.Ten
             prompt_lens.append(len(p.prompt_ids))
     tokens = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
     for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
     return tokens, torch.tensor([len(s) for s in seqs]), torch.tensor(prompt_lens)
 
 
-def split_pairs(pairs: list[PreferencePair], eval_fraction: float, seed: int
-                ) -> tuple[list[PreferencePair], list[PreferencePair]]:
+def split_pairs(
+    pairs: list[PreferencePair], eval_fraction: float, seed: int
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """(train, held-out) by a seeded permutation; at least one held-out pair when there are two or more."""
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
     num_eval = max(1, int(len(pairs) * eval_fraction)) if len(pairs) > 1 else 0

@@ -27,10 +27,19 @@ from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import RMConfig
 from spinwheel.rl.llm.pref_loop import RunDirs, check_layout, forward_rows, make_learner, open_logger, train_loop
-from spinwheel.rl.llm.preference_data import (PreferencePair, arithmetic_pairs, mistake_pairs, pair_tokens,
-                                              pairs_from_jsonl, sample_groups, split_pairs, task_prompts)
+from spinwheel.rl.llm.preference_data import (
+    PreferencePair,
+    arithmetic_pairs,
+    mistake_pairs,
+    pair_tokens,
+    pairs_from_jsonl,
+    sample_groups,
+    split_pairs,
+    task_prompts,
+)
 from spinwheel.rl.preference import bradley_terry_loss
-from spinwheel.tasks.arithmetic import ArithmeticTask, reward as task_reward
+from spinwheel.tasks.arithmetic import ArithmeticTask
+from spinwheel.tasks.arithmetic import reward as task_reward
 from spinwheel.train.learners import Learner, distributed_world
 from spinwheel.train.metrics import plot_curves, read_metrics
 
@@ -43,8 +52,12 @@ def rm_batch(pairs: Sequence[PreferencePair], pad_id: int, device: str | torch.d
     """The trainer batch of ``pairs``: ``input_ids`` (2P, L) interleaved chosen/rejected sequences, ``labels``
     (unused by a scalar head), ``score_index`` (2P,) each row's last token, ``pair_weights`` (2P,) ``1/P``."""
     tokens, lengths, _ = pair_tokens(pairs, pad_id)
-    batch = {"input_ids": tokens, "labels": torch.zeros_like(tokens), "score_index": lengths - 1,
-             "pair_weights": torch.full((tokens.shape[0],), 1.0 / len(pairs))}
+    batch = {
+        "input_ids": tokens,
+        "labels": torch.zeros_like(tokens),
+        "score_index": lengths - 1,
+        "pair_weights": torch.full((tokens.shape[0],), 1.0 / len(pairs)),
+    }
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -61,30 +74,40 @@ def bradley_terry_pair_loss(out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor,
     return bradley_terry_loss(r[0::2], r[1::2], weights=mb["pair_weights"][0::2])
 
 
-def score_pairs(learner: Learner, pairs: Sequence[PreferencePair], pad_id: int, chunk: int,
-                device: str | torch.device = "cpu") -> dict[str, float]:
+def score_pairs(
+    learner: Learner, pairs: Sequence[PreferencePair], pad_id: int, chunk: int, device: str | torch.device = "cpu"
+) -> dict[str, float]:
     """Held-out figures of a reward model on ``pairs``: ``accuracy`` (share with score(chosen) > score(rejected),
     ties counted wrong) and ``margin`` (mean score gap). Collective under torchrun."""
     if not pairs:
         return {"accuracy": float("nan"), "margin": float("nan")}
-    r = forward_rows(learner, pairs, lambda part: rm_batch(part, pad_id, device),
-                     lambda out, batch: sequence_scores(out["values"], batch["score_index"]), chunk)
+    r = forward_rows(
+        learner,
+        pairs,
+        lambda part: rm_batch(part, pad_id, device),
+        lambda out, batch: sequence_scores(out["values"], batch["score_index"]),
+        chunk,
+    )
     gap = r[0::2] - r[1::2]
     return {"accuracy": float((gap > 0).float().mean()), "margin": float(gap.mean())}
 
 
-def load_reward_model(path: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
-                      device: str | torch.device | None = None) -> Transformer:
+def load_reward_model(
+    path: str | os.PathLike, *, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
+) -> Transformer:
     """Load a reward-model checkpoint; a checkpoint of any other kind raises :class:`RewardModelError`."""
     config = load_config(path)
     if config.num_labels != 1:
-        raise RewardModelError(f"{path} is not a reward model (num_labels != 1): its config.json describes a "
-                               f"{config.model_type} causal LM; train one with `spinwheel rm`")
+        raise RewardModelError(
+            f"{path} is not a reward model (num_labels != 1): its config.json describes a "
+            f"{config.model_type} causal LM; train one with `spinwheel rm`"
+        )
     return load_model(path, dtype=dtype, device=device)
 
 
-def reward_model_fn(path: str | os.PathLike, *, device: str | torch.device = "cpu", batch_size: int = 64
-                    ) -> Callable[[list[str], list[str]], list[float]]:
+def reward_model_fn(
+    path: str | os.PathLike, *, device: str | torch.device = "cpu", batch_size: int = 64
+) -> Callable[[list[str], list[str]], list[float]]:
     """A reward function over a reward-model checkpoint: ``fn(prompts, completions) -> list[float]``, one score
     per (prompt, completion), tokenized as in training (the prompt with BOS, the completion without EOS)."""
     model = load_reward_model(path, device=device).eval()
@@ -97,12 +120,12 @@ def reward_model_fn(path: str | os.PathLike, *, device: str | torch.device = "cp
             raise ValueError(f"reward model: {len(prompts)} prompts for {len(completions)} completions")
         out: list[float] = []
         for start in range(0, len(prompts), batch_size):
-            p_ids = tokenizer.encode_batch(prompts[start:start + batch_size])
-            c_ids = tokenizer.encode_batch(completions[start:start + batch_size], add_special_tokens=False)
+            p_ids = tokenizer.encode_batch(prompts[start : start + batch_size])
+            c_ids = tokenizer.encode_batch(completions[start : start + batch_size], add_special_tokens=False)
             seqs = [p + c for p, c in zip(p_ids, c_ids)]
             tokens = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
             for i, s in enumerate(seqs):
-                tokens[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+                tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
             last = torch.tensor([len(s) - 1 for s in seqs])
             values = model(tokens.to(device))[..., 0].float()  # (b, T)
             out += sequence_scores(values, last.to(device)).tolist()
@@ -115,14 +138,14 @@ def _pairs(config: RMConfig, tokenizer: Tokenizer) -> tuple[list[PreferencePair]
     """(train, held-out, dropped) pairs: the task's right answers against random wrong numbers, or the JSONL."""
     if config.data is None:
         task = ArithmeticTask(config.task)
-        train = arithmetic_pairs(task.train[:config.num_train_pairs], tokenizer, config.seed, add_eos=False)
-        held_out = arithmetic_pairs(task.test[:config.eval_examples], tokenizer, config.seed + 1, add_eos=False)
+        train = arithmetic_pairs(task.train[: config.num_train_pairs], tokenizer, config.seed, add_eos=False)
+        held_out = arithmetic_pairs(task.test[: config.eval_examples], tokenizer, config.seed + 1, add_eos=False)
         return train, held_out, 0
     pairs, dropped = pairs_from_jsonl(config.data, tokenizer, add_eos=False, max_seq_len=config.max_seq_len)
     train, held_out = split_pairs(pairs, config.eval_fraction, config.seed)
     if not train:
         raise ValueError(f"{config.data}: too few pairs to train on ({len(pairs)}); add pairs")
-    return train, held_out[:config.eval_examples], dropped
+    return train, held_out[: config.eval_examples], dropped
 
 
 def _policy_mistakes(config: RMConfig, tokenizer: Tokenizer, dims: ParallelDims | None) -> list[PreferencePair]:
@@ -134,12 +157,21 @@ def _policy_mistakes(config: RMConfig, tokenizer: Tokenizer, dims: ParallelDims 
     if policy.config.num_labels is not None:
         raise ValueError(f"--policy {config.policy} is a reward model (num_labels 1), not a policy to sample from")
     policy_tokenizer = load_tokenizer(config.policy)
-    prompts = task_prompts(policy_tokenizer, ArithmeticTask(config.task).test[:config.eval_examples])
+    prompts = task_prompts(policy_tokenizer, ArithmeticTask(config.task).test[: config.eval_examples])
     engine = dataclasses.asdict(config.engine)
     engine.update(max_model_len=max(len(p.ids) for p in prompts) + config.max_new_tokens + 1, seed=config.seed)
     llm = LLM(policy, policy_tokenizer, **engine)
-    groups = sample_groups(llm, prompts, config.group_size, config.max_new_tokens, config.temperature,
-                           config.top_p, config.seed, task_reward, dims)
+    groups = sample_groups(
+        llm,
+        prompts,
+        config.group_size,
+        config.max_new_tokens,
+        config.temperature,
+        config.top_p,
+        config.seed,
+        task_reward,
+        dims,
+    )
     llm.close()
     return mistake_pairs(groups, tokenizer, add_eos=False)
 
@@ -163,8 +195,9 @@ def _run(config: RMConfig, distributed: bool) -> dict[str, Any]:
     source = dirs.ckpt_dir if dirs.state is not None else config.model
     tokenizer = load_tokenizer(source)
     pad_id = tokenizer.pad_id or 0
-    model = load_model(source, dtype=config.dtype, device=config.device, seed=config.seed,
-                       vocab_size=tokenizer.vocab_size)
+    model = load_model(
+        source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size
+    )
     if model.config.num_labels is None:
         model = scalar_head_model(model, seed=config.seed)
     model.config.pad_token_id = pad_id  # HF's sequence classifiers pool the last token that is not the pad
@@ -175,15 +208,24 @@ def _run(config: RMConfig, distributed: bool) -> dict[str, Any]:
         learner.load(dirs.ckpt_dir, dirs.state)
     log = open_logger(learner, dirs)
     if dirs.state is None:
-        log({"step": 0, "num_params": sum(p.numel() for p in model.parameters()), "num_train": len(train_pairs),
-             "num_eval": len(eval_pairs), "num_policy_pairs": len(mistakes), "num_dropped": dropped})
+        log(
+            {
+                "step": 0,
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "num_train": len(train_pairs),
+                "num_eval": len(eval_pairs),
+                "num_policy_pairs": len(mistakes),
+                "num_dropped": dropped,
+            }
+        )
 
     def evaluate(step: int) -> dict[str, Any]:
         held_out = score_pairs(learner, eval_pairs, pad_id, config.batch_size, config.device)
         ev: dict[str, Any] = {"eval_accuracy": held_out["accuracy"], "eval_margin": held_out["margin"]}
         if mistakes:
-            ev["eval_policy_accuracy"] = score_pairs(learner, mistakes, pad_id, config.batch_size,
-                                                     config.device)["accuracy"]
+            ev["eval_policy_accuracy"] = score_pairs(learner, mistakes, pad_id, config.batch_size, config.device)[
+                "accuracy"
+            ]
         log({"step": step, **ev})
         return ev
 
@@ -194,15 +236,31 @@ def _run(config: RMConfig, distributed: bool) -> dict[str, Any]:
     if dirs.state is None:
         result["eval_before"] = evaluate(0)
     model.train()
-    history, end_step = train_loop(config, learner, train_pairs, lambda part: rm_batch(part, pad_id, config.device),
-                                   bradley_terry_pair_loss, start_step=dirs.start_step, log=log, evaluate=evaluate,
-                                   save=save, desc="rm")
+    history, end_step = train_loop(
+        config,
+        learner,
+        train_pairs,
+        lambda part: rm_batch(part, pad_id, config.device),
+        bradley_terry_pair_loss,
+        start_step=dirs.start_step,
+        log=log,
+        evaluate=evaluate,
+        save=save,
+        desc="rm",
+    )
     result.update(history=history, end_step=end_step, checkpoint=str(dirs.ckpt_dir))
     if end_step == config.steps:
         result["eval_after"] = evaluate(end_step)
     if learner.is_main:
-        plot_curves(read_metrics(dirs.out_dir / "metrics.jsonl"), dirs.out_dir / "curves.png",
-                    [("loss", "Bradley-Terry loss"), ("accuracy", "train pair accuracy"),
-                     ("eval_accuracy", "held-out accuracy (random wrong)"),
-                     ("eval_policy_accuracy", "held-out accuracy (policy's mistakes)")], title=f"RM {config.model}")
+        plot_curves(
+            read_metrics(dirs.out_dir / "metrics.jsonl"),
+            dirs.out_dir / "curves.png",
+            [
+                ("loss", "Bradley-Terry loss"),
+                ("accuracy", "train pair accuracy"),
+                ("eval_accuracy", "held-out accuracy (random wrong)"),
+                ("eval_policy_accuracy", "held-out accuracy (policy's mistakes)"),
+            ],
+            title=f"RM {config.model}",
+        )
     return result

@@ -54,6 +54,8 @@ def score(fn: RewardFn, completions: list[str], answers: list[str], name: str = 
         raise RewardError(f"the {name} function returned {len(values)} values for {len(completions)} completions")
     bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
     if bad:
-        raise RewardError(f"the {name} function returned a non-finite value ({values[bad[0]]}) for completion "
-                          f"{bad[0]}: {completions[bad[0]]!r}")
+        raise RewardError(
+            f"the {name} function returned a non-finite value ({values[bad[0]]}) for completion "
+            f"{bad[0]}: {completions[bad[0]]!r}"
+        )
     return torch.tensor(values, dtype=torch.float32)

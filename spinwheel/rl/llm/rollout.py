@@ -57,13 +57,29 @@ def sample_seed(seed: int, step: int, prompt_index: int) -> int:
     return (seed * 1_000_003 + step) * 1_000_033 + prompt_index
 
 
-def generate_share(llm: LLM, prompts: list[Prompt], first_index: int, step: int, seed: int, group_size: int,
-                   max_new_tokens: int, temperature: float, top_p: float
-                   ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+def generate_share(
+    llm: LLM,
+    prompts: list[Prompt],
+    first_index: int,
+    step: int,
+    seed: int,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+) -> tuple[list[list[int]], list[list[float]], list[str]]:
     """Sample ``group_size`` completions for each prompt (global indices ``first_index + k``) on ``llm``."""
-    params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                             seed=sample_seed(seed, step, first_index + k), logprobs=0)
-              for k in range(len(prompts))]
+    params = [
+        SamplingParams(
+            n=group_size,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_new_tokens,
+            seed=sample_seed(seed, step, first_index + k),
+            logprobs=0,
+        )
+        for k in range(len(prompts))
+    ]
     outs = llm.generate([list(p.ids) for p in prompts], params)
     ids, logps, texts = [], [], []
     for p, out in zip(prompts, outs):
@@ -76,18 +92,35 @@ def generate_share(llm: LLM, prompts: list[Prompt], first_index: int, step: int,
     return ids, logps, texts
 
 
-def generate_rollout(llm: LLM, prompts: list[Prompt], step: int, seed: int, group_size: int, max_new_tokens: int,
-                     temperature: float, top_p: float, dims: ParallelDims | None = None) -> Rollout:
+def generate_rollout(
+    llm: LLM,
+    prompts: list[Prompt],
+    step: int,
+    seed: int,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    dims: ParallelDims | None = None,
+) -> Rollout:
     """The step's global rollout; under torchrun each data-parallel rank samples its contiguous share of the
     prompts, then every rank receives every share (collective over the whole world)."""
     dp_size = dims.dp_axis.size if dims is not None else 1
     dp_rank = dims.dp_axis.rank if dims is not None else 0
     if len(prompts) % dp_size:
-        raise ValueError(f"--prompts-per-step {len(prompts)} must be divisible by the data-parallel degree "
-                         f"{dp_size}")
+        raise ValueError(f"--prompts-per-step {len(prompts)} must be divisible by the data-parallel degree {dp_size}")
     share = len(prompts) // dp_size
-    mine = generate_share(llm, prompts[dp_rank * share:(dp_rank + 1) * share], dp_rank * share, step, seed,
-                          group_size, max_new_tokens, temperature, top_p)
+    mine = generate_share(
+        llm,
+        prompts[dp_rank * share : (dp_rank + 1) * share],
+        dp_rank * share,
+        step,
+        seed,
+        group_size,
+        max_new_tokens,
+        temperature,
+        top_p,
+    )
     if dp_size == 1:
         ids, logps, texts = mine
     else:
@@ -124,8 +157,14 @@ def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
     engine = torch.tensor(engine_rows, dtype=torch.float32)
     prompt_lens = torch.tensor([len(p.ids) for p in prompts])
     completion_lens = torch.tensor([len(c) for c in comps])
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask, "engine_logprobs": engine,
-            "prompt_lens": prompt_lens, "completion_lens": completion_lens}
+    return {
+        "input_ids": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "mask": mask,
+        "engine_logprobs": engine,
+        "prompt_lens": prompt_lens,
+        "completion_lens": completion_lens,
+    }
 
 
 def prompts_from_task(tokenizer: Tokenizer, examples) -> list[Prompt]:

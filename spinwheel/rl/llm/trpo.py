@@ -34,8 +34,10 @@ def trpo_module(learner: Learner) -> tuple[nn.Module, object | None]:
     assert isinstance(learner, ParallelLearner)
     pm = learner.trainer.pm
     if pm.dp_kind != "ddp" or learner.dims.tp > 1 or learner.dims.pp > 1:
-        raise ParallelError("trpo runs in one process or data parallel with DDP (--zero 0): its conjugate gradient "
-                            "needs every parameter whole on each rank; drop --zero/--fsdp/--tp/--pp")
+        raise ParallelError(
+            "trpo runs in one process or data parallel with DDP (--zero 0): its conjugate gradient "
+            "needs every parameter whole on each rank; drop --zero/--fsdp/--tp/--pp"
+        )
     axis, comm = learner.dims.dp_axis, learner.dims.comm
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +48,15 @@ def trpo_module(learner: Learner) -> tuple[nn.Module, object | None]:
     return pm.stage, reduce
 
 
-def trpo_update(learner: Learner, batch: dict[str, torch.Tensor], max_kl: float, damping: float, cg_iters: int,
-                backtrack_coef: float = 0.8, max_backtracks: int = 10) -> dict[str, float]:
+def trpo_update(
+    learner: Learner,
+    batch: dict[str, torch.Tensor],
+    max_kl: float,
+    damping: float,
+    cg_iters: int,
+    backtrack_coef: float = 0.8,
+    max_backtracks: int = 10,
+) -> dict[str, float]:
     """One trust-region step on the global ``batch`` (``input_ids``, ``labels``, ``weights``, ``advantages``,
     ``old_logprobs``; rows this rank owns are its data-parallel slice)."""
     model, reduce = trpo_module(learner)
@@ -78,8 +87,17 @@ def trpo_update(learner: Learner, batch: dict[str, torch.Tensor], max_kl: float,
     # Fisher-vector products differentiate twice; PyTorch's fused CPU/GPU attention kernels have no double
     # backward, the math kernel does (same values).
     with sdpa_kernel(SDPBackend.MATH):
-        return trust_region_step(params, surrogate_fn, kl_fn, max_kl, damping=damping, cg_iters=cg_iters,
-                                 backtrack_coef=backtrack_coef, max_backtracks=max_backtracks, reduce=reduce)
+        return trust_region_step(
+            params,
+            surrogate_fn,
+            kl_fn,
+            max_kl,
+            damping=damping,
+            cg_iters=cg_iters,
+            backtrack_coef=backtrack_coef,
+            max_backtracks=max_backtracks,
+            reduce=reduce,
+        )
 
 
 class TRPO(GroupPolicyGradient):
@@ -88,4 +106,3 @@ class TRPO(GroupPolicyGradient):
     def update(self, learner: Learner, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         c = self.config
         return trpo_update(learner, batch, c.max_kl, c.cg_damping, c.cg_iters)
-

@@ -1,0 +1,94 @@
+"""The LLM post-training commands: ``spinwheel grpo | rloo | reinforce-pp | ppo | trpo`` (the RL loop on the
+engine's rollouts) and ``spinwheel dpo | rm`` (preference pairs), their options built from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from spinwheel.config import add_arguments, from_args
+from spinwheel.tasks.arithmetic import ArithmeticConfig
+
+RL_COMMANDS = {
+    "grpo": "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts",
+    "rloo": "RLOO (leave-one-out baseline) on engine rollouts",
+    "reinforce-pp": "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts",
+    "ppo": "PPO for LLMs (critic, token-level GAE, KL penalty to the reference) on engine rollouts",
+    "trpo": "TRPO for LLM policies (conjugate gradient on Fisher-vector products, KL trust region) on engine rollouts",
+}
+
+
+def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm.config import RLConfig
+
+    p = sub.add_parser(
+        algo,
+        help=what,
+        description=f"{what}; torchrun for data/tensor/pipeline parallel updates; "
+        "rerunning resumes from <out-dir>/checkpoint.",
+    )
+    add_arguments(p, RLConfig, skip={"algo"})
+    add_arguments(p, ArithmeticConfig, prefix="task-")
+    add_arguments(p, ParallelConfig)
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
+    p.set_defaults(out_dir=f"runs/{algo}")
+
+
+def run_rl(ns: argparse.Namespace) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm import RLConfig, train_rl
+
+    config = from_args(RLConfig, ns)
+    config.algo = ns.command
+    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
+    config.parallel = from_args(ParallelConfig, ns)
+    config.engine = from_args(EngineConfig, ns, prefix="engine-")
+    result = train_rl(config)
+    if result.get("eval_after") is not None and os.environ.get("RANK", "0") == "0":
+        before = result.get("eval_before")
+        print(
+            f"held-out exact match: {'' if before is None else f'{before:.1%} -> '}{result['eval_after']:.1%}; "
+            f"wrote {result['checkpoint']}"
+        )
+
+
+PREF_COMMANDS = {
+    "dpo": "DPO (sigmoid, conservative label smoothing, IPO) on preference pairs: JSONL, or self-generated from "
+    "the policy's samples by the task reward",
+    "rm": "reward model (Bradley-Terry on preference pairs), saved as an HF *ForSequenceClassification checkpoint",
+}
+
+
+def add_pref_parser(sub: argparse._SubParsersAction, command: str, what: str) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
+
+    cls = DPOConfig if command == "dpo" else RMConfig
+    p = sub.add_parser(command, help=what, description=f"{what}; torchrun for data/tensor parallel updates.")
+    add_arguments(p, cls)
+    add_arguments(p, ArithmeticConfig, prefix="task-")
+    add_arguments(p, ParallelConfig)
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
+    p.set_defaults(out_dir=f"runs/{command}")
+
+
+def run_pref(ns: argparse.Namespace) -> None:
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm.dpo import train_dpo
+    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
+    from spinwheel.rl.llm.reward_model import train_rm
+
+    config = from_args(DPOConfig if ns.command == "dpo" else RMConfig, ns)
+    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
+    config.parallel = from_args(ParallelConfig, ns)
+    config.engine = from_args(EngineConfig, ns, prefix="engine-")
+    result = (train_dpo if ns.command == "dpo" else train_rm)(config)
+    if os.environ.get("RANK", "0") == "0":
+        after = result.get("eval_after") or {}
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in after.items() if isinstance(v, (int, float)))
+        print(f"held-out: {shown or 'not evaluated'}; wrote {result.get('checkpoint', config.out_dir)}")
