@@ -132,16 +132,15 @@ class BlockManager:
         past their tables, and the copies :meth:`append_slots` makes of blocks it writes while they are shared —
         a block held by ``r`` tables and written by ``w`` of them is copied ``w`` times, or ``r - 1`` when all its
         holders write it (the last one then holds it alone)."""
-        need, writers = 0, {}
+        need, writers, blocks, bs = 0, {}, pool.blocks, self.block_size
         for seq_id, num_computed, num_tokens in seqs:
             table = tables[seq_id]
-            need += max(0, self.num_blocks_for(num_tokens) - len(table))
-            for i in range(num_computed // self.block_size, min(len(table), self.num_blocks_for(num_tokens))):
-                writers[table[i]] = writers.get(table[i], 0) + 1
-        for b, w in writers.items():
-            ref = pool.blocks[b].ref_count
-            need += 0 if ref == 1 else min(w, ref - 1)
-        return need
+            end = -(-num_tokens // bs)
+            need += max(0, end - len(table))
+            for i in range(num_computed // bs, min(len(table), end)):
+                if blocks[table[i]].ref_count > 1:  # private blocks are written in place
+                    writers[table[i]] = writers.get(table[i], 0) + 1
+        return need + sum(min(w, blocks[b].ref_count - 1) for b, w in writers.items())
 
     def can_append_slots(self, seqs: list[tuple[int, int, int]]) -> bool:
         """``seqs``: (seq_id, num_computed_tokens, num_tokens) of every sequence about to be extended."""

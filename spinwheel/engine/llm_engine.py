@@ -196,6 +196,7 @@ class LLMEngine:
         rows: list[SampleRow] = []
         row_index: list[int] = []  # logits row of each sample row: n > 1 forks share one
         beam_groups: dict[str, SequenceGroup] = {}
+        eos_ids = self.eos_ids
         for s in out.scheduled:
             seq, group = s.seq, s.group
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -211,8 +212,8 @@ class LLMEngine:
                 seq.pending_logprobs = torch.log_softmax(step.logits[logits_row], dim=-1)
                 beam_groups[group.request_id] = group
                 continue
-            stop_ids = sorted(self.eos_ids | set(group.params.stop_token_ids))
-            for t in self.scheduler.fork_samples(group, seq):
+            stop_ids = sorted(eos_ids | set(group.params.stop_token_ids))
+            for t in [seq] if group.forked else self.scheduler.fork_samples(group, seq):
                 rows.append(SampleRow(t, group.params, stop_ids))
                 row_index.append(logits_row)
         if rows:
@@ -220,9 +221,10 @@ class LLMEngine:
             if row_index != list(range(logits.shape[0])):  # n > 1 forks share a row; prompt rows are skipped
                 logits = logits[torch.tensor(row_index, device=logits.device)]
             sampled = self.sampler(logits, rows)
+            check_stop = self.output_processor.check_stop
             for row, token, lp, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
                 row.seq.append_token(token, lp, top)
-                self.output_processor.check_stop(row.seq, row.params)
+                check_stop(row.seq, row.params)
             self.num_generated_tokens += len(rows)
         num_beams = sum(self._beam_step(group) for group in beam_groups.values())
         now = time.monotonic()

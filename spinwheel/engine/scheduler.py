@@ -291,12 +291,16 @@ class Scheduler:
     def _take(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> int:
         """Schedule a plan: grow each block table to its chunk (copy-on-write copies go to ``out``) and record the
         blocks that will hold computed K/V. Returns the tokens taken from the budget."""
+        taken = 0
         for s, n in plan:
-            end = s.num_computed_tokens + n
-            out.blocks_to_copy += self.block_manager.append_slots(s.seq_id, self._write_start(group, s), end)
+            start = s.num_computed_tokens if group.shared_prefill is None else self._write_start(group, s)
+            copies = self.block_manager.append_slots(s.seq_id, start, s.num_computed_tokens + n)
+            if copies:
+                out.blocks_to_copy += copies
             self._commit(s, n)
             out.scheduled.append(ScheduledSequence(s, group, n))
-        return sum(n for _, n in plan)
+            taken += n
+        return taken
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
