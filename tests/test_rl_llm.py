@@ -77,9 +77,10 @@ def test_rollout_batch_layout():
 
 def test_shared_prompt_forward_equals_one_row_per_completion():
     """The local learner runs each group's prompt once (packed rows, block mask): the same log-probs, entropies and
-    gradients as the plain padded forward of every row, and zeros off the completions."""
+    gradients as the plain padded forward of every row, and zeros off the completions; it packs short completions
+    (fewer FLOPs) and not long ones (attention over the packed row would cost more)."""
     from spinwheel.models.hf import load_model
-    from spinwheel.train.learners import local_outputs
+    from spinwheel.train.learners import SharedPrompts, local_outputs, plain_cost, shared_prompt_outputs
 
     tok = Tokenizer.char_level()
     model = load_model("test", seed=3, vocab_size=tok.vocab_size)
@@ -89,8 +90,10 @@ def test_shared_prompt_forward_equals_one_row_per_completion():
     batch = rollout_batch(Rollout(prompts, 3, comps, [[0.0] * len(c) for c in comps], [""] * 9), pad_id=0)
     plain = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     shared = {**plain, "prompt_lens": batch["prompt_lens"], "completion_lens": batch["completion_lens"]}
+    packed = SharedPrompts.of(shared)
+    assert packed is not None and len(packed.tokens) == 2  # two distinct prompts
     mask = batch["mask"]
-    ref, out = local_outputs(model, plain, entropy=True), local_outputs(model, shared, entropy=True)
+    ref, out = local_outputs(model, plain, entropy=True), shared_prompt_outputs(model, shared, packed, entropy=True)
     torch.testing.assert_close(out.logprobs * mask, ref.logprobs * mask, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.entropy * mask, ref.entropy * mask, rtol=1e-5, atol=1e-6)
     assert out.logprobs[mask == 0].abs().max() == 0 and out.entropy[mask == 0].abs().max() == 0
@@ -100,6 +103,13 @@ def test_shared_prompt_forward_equals_one_row_per_completion():
         torch.autograd.grad((ref.logprobs * w).sum(), params), torch.autograd.grad((out.logprobs * w).sum(), params)
     ):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+
+    def ratio(num_tokens: int) -> float:  # 4 prompts × G 8 completions of num_tokens each
+        rows = [Prompt(f"{i}+1=", tuple(tok.encode(f"{i}+1=")), "") for i in range(10, 14)]
+        b = rollout_batch(Rollout(rows, 8, [[5] * num_tokens] * 32, [[0.0] * num_tokens] * 32, [""] * 32), 0)
+        return SharedPrompts.of(b).cost(model.config) / plain_cost(model.config, *b["input_ids"].shape)
+
+    assert ratio(3) < 0.5 and ratio(64) > 1
 
 
 def test_reward_functions_are_checked(tmp_path, monkeypatch):
