@@ -63,25 +63,20 @@ SYSTEMS = ("trl", "spinwheel")
 
 
 class Baton:
-    """Two threads take turns: ``take`` blocks until it is the caller's turn (or the other has finished),
-    ``hand_on`` gives the turn to the other, ``finish`` leaves for good."""
+    """Two threads take turns: ``take`` blocks until it is the caller's turn (or the other has left), ``hand_on``
+    gives the turn to the other (for good with ``leave``)."""
 
     def __init__(self) -> None:
-        self.turn, self.done, self.cv = SYSTEMS[0], set[str](), threading.Condition()
+        self.turn, self.left, self.cv = SYSTEMS[0], set[str](), threading.Condition()
 
     def take(self, name: str) -> None:
-        other = SYSTEMS[1 - SYSTEMS.index(name)]
         with self.cv:
-            self.cv.wait_for(lambda: self.turn == name or other in self.done)
+            self.cv.wait_for(lambda: self.turn == name or SYSTEMS[1 - SYSTEMS.index(name)] in self.left)
 
-    def hand_on(self, name: str) -> None:
+    def hand_on(self, name: str, leave: bool = False) -> None:
         with self.cv:
-            self.turn = SYSTEMS[1 - SYSTEMS.index(name)]
-            self.cv.notify_all()
-
-    def finish(self, name: str) -> None:
-        with self.cv:
-            self.done.add(name)
+            if leave:
+                self.left.add(name)
             self.turn = SYSTEMS[1 - SYSTEMS.index(name)]
             self.cv.notify_all()
 
@@ -154,7 +149,7 @@ class _SteppedBar:
                 self.run.start()
             yield step
         self.run.end()
-        self.run.baton.finish(self.run.name)  # saving, the final evaluation and plotting are not timed
+        self.run.baton.hand_on(self.run.name, leave=True)  # saving, the final evaluation and plotting are not timed
 
     def set_postfix(self, *a, **k) -> None:
         pass
@@ -317,7 +312,7 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
     try:
         trainer.train()
     finally:
-        run.baton.finish(run.name)
+        run.baton.hand_on(run.name, leave=True)
     return trainer
 
 
@@ -335,7 +330,7 @@ def run_both(args, ckpt: Path, work: Path) -> dict[str, Run]:
         except BaseException as e:  # noqa: BLE001 — re-raised in the main thread
             out[name] = e
         finally:
-            baton.finish(name)
+            baton.hand_on(name, leave=True)
 
     threads = [
         threading.Thread(target=target, args=(name, fn), name=name)

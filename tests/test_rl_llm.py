@@ -80,7 +80,8 @@ def test_shared_prompt_forward_equals_one_row_per_completion():
     gradients as the plain padded forward of every row, and zeros off the completions; it packs short completions
     (fewer FLOPs) and not long ones (attention over the packed row would cost more)."""
     from spinwheel.models.hf import load_model
-    from spinwheel.train.learners import SharedPrompts, local_outputs, plain_cost, shared_prompt_outputs
+    from spinwheel.train.learners import local_outputs
+    from spinwheel.train.shared_prompts import SharedPrompts, plain_cost, shared_prompt_outputs
 
     tok = Tokenizer.char_level()
     model = load_model("test", seed=3, vocab_size=tok.vocab_size)
