@@ -24,7 +24,7 @@ def _flag(name: str) -> str:
 class PreferenceConfig:
     """Training on preference pairs (built-in arithmetic task or a {prompt, chosen, rejected} JSONL)."""
 
-    model: str = option("runs/demo/checkpoint", help="checkpoint (or preset) to start from")
+    model: str = option("runs/sft/checkpoint", help="checkpoint (or preset) to start from")
     data: str | None = option(
         None,
         help="preference JSONL with {prompt, chosen, rejected} lines; default: pairs built from the arithmetic task",
@@ -128,11 +128,12 @@ class RMConfig(PreferenceConfig):
     """Reward-model training (Bradley–Terry) of a scalar-head model on preference pairs."""
 
     model: str = option(
-        "runs/demo/checkpoint",
+        "runs/sft/checkpoint",
         help="checkpoint (or preset) to start from: an LM gets a fresh "
         "score head on a copy of its body, a reward model trains on",
     )
     out_dir: str = option("runs/rm", help="where checkpoint/, metrics.jsonl and curves.png are written")
+    steps: int = option(600, help="optimizer steps")
     lr: float = option(1e-3, help="peak learning rate (AdamW)")
     num_train_pairs: int = option(
         4000,

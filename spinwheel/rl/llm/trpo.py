@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from spinwheel.engine.llm_engine import flush_denormal
 from spinwheel.parallel.mesh import ParallelError
 from spinwheel.rl.llm.algorithms import GroupPolicyGradient
 from spinwheel.rl.trpo import trust_region_step
@@ -85,8 +86,9 @@ def trpo_update(
     seen: set[int] = set()
     params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # tied weights once
     # Fisher-vector products differentiate twice; PyTorch's fused CPU/GPU attention kernels have no double
-    # backward, the math kernel does (same values).
-    with sdpa_kernel(SDPBackend.MATH):
+    # backward, the math kernel does (same values). π_old(v) · … over the whole vocabulary is full of denormals
+    # (probabilities of e^-90 and below), which slow CPU kernels about 2× on this model: flush them.
+    with sdpa_kernel(SDPBackend.MATH), flush_denormal(ids.device.type == "cpu"):
         return trust_region_step(
             params,
             surrogate_fn,
