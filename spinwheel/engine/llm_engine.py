@@ -145,6 +145,8 @@ class LLMEngine:
             text, tokens = None, [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (0..{vocab - 1})")
         seq = Sequence(self.scheduler.next_seq_id(), tokens)
         group = SequenceGroup(request_id, [seq], params, prompt=text)
         if arrival_time is not None:
