@@ -83,6 +83,17 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.runner = ModelRunner(model, config, self.max_model_len)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if config.max_model_len is None and self.max_model_len > pool_tokens:  # a context no request could use
+            logger.warning(
+                "max_model_len capped to %d tokens, what the KV pool holds (%d blocks of %d), from the model's "
+                "max_position_embeddings %d; give more KV memory (kv_cache_memory_mb) for longer contexts",
+                pool_tokens,
+                self.runner.num_blocks,
+                config.block_size,
+                self.max_model_len,
+            )
+            self.max_model_len = pool_tokens
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.runner.num_cpu_blocks, config.block_size, config.enable_prefix_caching
         )
