@@ -126,6 +126,11 @@ def test_beam_search_through_the_api_equals_the_offline_beam_search(server, offl
         r = _post(server, {**body, "best_of": width} if width != n else body)
         assert r.status_code == 200, r.text
         assert [c["text"] for c in r.json()["choices"]] == [o.text for o in ref.outputs[:n]]
+    messages = [ChatMessage(role="user", content="hi")]
+    ref = offline.beam_search([render_chat(TOK, messages, True)], beam_width=3, max_tokens=5)[0]
+    r = _post(server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "use_beam_search": True,
+                       "n": 2, "best_of": 3}, "/v1/chat/completions")  # fmt: skip
+    assert [c["message"]["content"] for c in r.json()["choices"]] == [o.text for o in ref.outputs[:2]]
 
 
 @pytest.mark.parametrize(
@@ -223,6 +228,26 @@ def test_echo_with_logprobs_through_the_openai_client(client, dense):
                 token_lps += ch.logprobs.token_logprobs
     assert (text, tokens) == (c.text, lp.tokens)
     assert token_lps[0] is None and token_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, client, dense):
+    # the classic OpenAI scoring request (lm-eval style): the prompt back, with its logprobs, nothing generated
+    prompts = ["12+34=46", "hello"]
+    resp = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=0)
+    assert resp.usage.completion_tokens == 0
+    for prompt, c in zip(prompts, resp.choices):
+        ids = TOK.encode(prompt)
+        ref = _dense_logprobs(dense, ids)
+        assert (c.text, c.finish_reason) == (prompt, "length")
+        assert c.logprobs.tokens == [TOK.decode([t], skip_special_tokens=False) for t in ids]
+        assert c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx([float(ref[p - 1][ids[p]]) for p in range(1, len(ids))])
+    stream = client.completions.create(model=MODEL, prompt="hello", echo=True, logprobs=1, max_tokens=0, stream=True)
+    chunks = [ch for chunk in stream for ch in chunk.choices]
+    assert "".join(ch.text for ch in chunks) == "hello" and chunks[-1].finish_reason == "length"
+    assert sum(len(ch.logprobs.tokens) for ch in chunks if ch.logprobs) == len(TOK.encode("hello"))
+    r = _post(server, {"prompt": "ab", "max_tokens": 0})  # without echo there is nothing to return
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 # ---- /health ----

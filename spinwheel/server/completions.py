@@ -1,7 +1,7 @@
 """``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` choices per prompt (the best of
 ``best_of``), ``echo``, ``logprobs`` (with ``echo``, the prompt's tokens scored too, the first one null), vLLM's
 ``prompt_logprobs`` on each choice; a JSON response or a server-sent-event stream. Choice ``i * n + j`` is sample
-``j`` of prompt ``i``."""
+``j`` of prompt ``i``. ``echo`` with ``max_tokens=0`` returns the prompt alone (with ``logprobs``: scored)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -50,12 +51,20 @@ class Completions:
         size = len(raw) if isinstance(raw, str) else sum(len(p) for p in raw) if isinstance(raw[0], str) else 0
         texts, prompts = await generation.off_loop(size, self._tokenize, body)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+        # OpenAI's way to score a prompt: echo it with max_tokens=0. The engine generates one token, dropped.
+        prompt_only = body.echo and max_tokens == 0
+        if prompt_only:
+            max_tokens = 1
         for ids in prompts:
             self.model.check_prompt(ids, max_tokens, "prompt")
         # echo with logprobs scores the prompt too (as vLLM does): its engine request asks for prompt logprobs
         echo_lp = body.echo and body.logprobs is not None
         scored = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_lp else body.prompt_logprobs
         params = self.model.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=scored)
+
+        def drop(out: RequestOutput) -> RequestOutput:
+            return _drop_outputs(out) if prompt_only else out
+
         rid = f"cmpl-{secrets.token_hex(12)}"
         created = int(time.time())
 
@@ -95,7 +104,7 @@ class Completions:
 
         if not body.stream:
             outs = await generation.collect(self.engine, request, rid, prompts, params)
-            outs = [keep_best(out, body.n) for out in outs]
+            outs = [drop(keep_best(out, body.n)) for out in outs]
             choices = [choice(i, out, c, None) for i, out in enumerate(outs) for c in out.outputs]
             choices.sort(key=lambda ch: ch["index"])
             return JSONResponse(
@@ -114,7 +123,7 @@ class Completions:
         async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
             async with aclosing(generation.run(self.engine, rid, prompts, params)) as run:
                 async for i, out in run:
-                    latest[i] = out
+                    latest[i] = out = drop(out)
                     yield i, out
 
         def render(d: Delta) -> list[dict]:
@@ -131,3 +140,21 @@ class Completions:
             sum(len(p) for p in prompts) if include_usage else None,
             self.on_error,
         )
+
+
+def _drop_outputs(out: RequestOutput) -> RequestOutput:
+    """``out`` with its generated tokens dropped (``max_tokens=0``: only the echoed prompt is returned); a finished
+    choice ends by length, as it would have at zero tokens."""
+    choices = [
+        replace(
+            c,
+            text="",
+            token_ids=[],
+            cumulative_logprob=0.0,
+            logprobs=None if c.logprobs is None else [],
+            finish_reason="length" if c.finished else None,
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return replace(out, outputs=choices)
