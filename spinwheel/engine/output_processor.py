@@ -50,7 +50,7 @@ class OutputProcessor:
         tokens starting at ``seq.num_computed_tokens``: row i of the chunk predicts prompt token start + i + 1.
         Positions already recorded (a chunk computed again after a recompute preemption) are skipped; such
         requests do not read the prefix cache, so every position has its row."""
-        start_row, end_row = step.prompt_rows[seq.seq_id]
+        start_row, _ = step.prompt_rows[seq.seq_id]
         lps, ranks = group.prompt_logprobs, group.prompt_logprob_ranks
         assert lps is not None and ranks is not None
         first = seq.num_computed_tokens
