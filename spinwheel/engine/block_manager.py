@@ -65,10 +65,11 @@ class BlockManager:
         return self.num_prefix_hit_tokens / max(1, self.num_prefix_queried_tokens)
 
     # ---- allocation of new (or recomputed) sequences ----
-    def _match_prefix(self, token_ids: list[int]) -> list[int]:
+    def _match_prefix(self, token_ids: list[int], use_cache: bool = True) -> list[int]:
         """Cached device blocks holding the leading full blocks of ``token_ids``. The block holding the last token
-        is never matched: its logits must be computed."""
-        if not self.enable_prefix_caching:
+        is never matched: its logits must be computed. ``use_cache=False``: none (a request that wants the logits
+        of every prompt token computes them all; its blocks are still registered for others)."""
+        if not self.enable_prefix_caching or not use_cache:
             return []
         bs, matched, key = self.block_size, [], None
         for i in range((len(token_ids) - 1) // bs):
@@ -80,7 +81,7 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
-    def can_allocate(self, seqs: list[list[int]], num_shared_tokens: int = 0) -> AllocStatus:
+    def can_allocate(self, seqs: list[list[int]], num_shared_tokens: int = 0, use_cache: bool = True) -> AllocStatus:
         """Whether sequences with these token lists (one group) can get block tables now. With
         ``num_shared_tokens`` (a multiple of the block size) every sequence after the first shares the first one's
         blocks holding those leading tokens (a recomputed group forked again, see :meth:`fork`)."""
@@ -91,14 +92,14 @@ class BlockManager:
         needed = total
         for tokens in seqs[:1] if shared else seqs:
             # A matched block that nobody holds sits on the free side; reviving it consumes a free block.
-            needed -= sum(1 for b in self._match_prefix(tokens) if self.gpu.blocks[b].ref_count > 0)
+            needed -= sum(1 for b in self._match_prefix(tokens, use_cache) if self.gpu.blocks[b].ref_count > 0)
         return AllocStatus.OK if needed <= self.gpu.num_free else AllocStatus.LATER
 
-    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+    def allocate(self, seq_id: int, token_ids: list[int], use_cache: bool = True) -> int:
         """Give ``seq_id`` a block table for all of ``token_ids``; returns how many leading tokens already have
         K/V through the prefix cache."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has blocks"
-        matched = self._match_prefix(token_ids)
+        matched = self._match_prefix(token_ids, use_cache)
         needed = self.num_blocks_for(len(token_ids))
         fresh = needed - len(matched)
         revived = sum(1 for b in matched if self.gpu.blocks[b].ref_count == 0)
@@ -109,7 +110,7 @@ class BlockManager:
         table = matched + [self.gpu.allocate() for _ in range(fresh)]
         self.block_tables[seq_id] = table
         self._hashes[seq_id] = [self.gpu.blocks[b].hash for b in matched]  # type: ignore[misc]
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             self.num_prefix_queried_tokens += len(token_ids)
             self.num_prefix_hit_tokens += len(matched) * self.block_size
         return len(matched) * self.block_size

@@ -83,6 +83,17 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.runner = ModelRunner(model, config, self.max_model_len)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if config.max_model_len is None and self.max_model_len > pool_tokens:  # a context no request could use
+            logger.warning(
+                "max_model_len capped to %d tokens, what the KV pool holds (%d blocks of %d), from the model's "
+                "max_position_embeddings %d; give more KV memory (kv_cache_memory_mb) for longer contexts",
+                pool_tokens,
+                self.runner.num_blocks,
+                config.block_size,
+                self.max_model_len,
+            )
+            self.max_model_len = pool_tokens
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.runner.num_cpu_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -145,6 +156,8 @@ class LLMEngine:
             text, tokens = None, [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (0..{vocab - 1})")
         seq = Sequence(self.scheduler.next_seq_id(), tokens)
         group = SequenceGroup(request_id, [seq], params, prompt=text)
         if arrival_time is not None:

@@ -46,20 +46,26 @@ class OutputProcessor:
 
     @staticmethod
     def record_prompt_logprobs(group: SequenceGroup, seq: Sequence, step: StepLogits, num_new: int) -> None:
-        """Append the prompt logprobs of the chunk of ``num_new`` tokens starting at ``seq.num_computed_tokens``
-        (row i of the chunk predicts prompt token start + i + 1)."""
-        start_row, end_row = step.prompt_rows[seq.seq_id]
-        lps = torch.log_softmax(step.logits[start_row:end_row], dim=-1)  # (num_new, V)
+        """Append the prompt logprobs (and each prompt token's rank, 1 = most likely) of the chunk of ``num_new``
+        tokens starting at ``seq.num_computed_tokens``: row i of the chunk predicts prompt token start + i + 1.
+        Positions already recorded (a chunk computed again after a recompute preemption) are skipped; such
+        requests do not read the prefix cache, so every position has its row."""
+        start_row, _ = step.prompt_rows[seq.seq_id]
+        lps, ranks = group.prompt_logprobs, group.prompt_logprob_ranks
+        assert lps is not None and ranks is not None
         first = seq.num_computed_tokens
+        assert len(lps) > first, "a request scoring its prompt read K/V from the prefix cache"
+        # rows predicting prompt positions not recorded yet: [lo, hi) of this chunk
+        lo, hi = max(0, len(lps) - first - 1), min(num_new, seq.num_prompt_tokens - first - 1)
+        if lo >= hi:
+            return
+        rows = torch.log_softmax(step.logits[start_row + lo : start_row + hi], dim=-1)  # (hi - lo, V)
+        targets = torch.tensor(seq.token_ids[first + lo + 1 : first + hi + 1], device=rows.device)
+        chosen = rows.gather(1, targets[:, None])  # (hi - lo, 1)
+        ranks += ((rows > chosen).sum(dim=-1) + 1).tolist()
         k = group.params.prompt_logprobs or 0
-        assert group.prompt_logprobs is not None
-        for i in range(num_new):
-            pos = first + i + 1
-            if pos >= seq.num_prompt_tokens or pos < len(group.prompt_logprobs):
-                continue
-            while len(group.prompt_logprobs) < pos:  # positions served by the prefix cache have no logits
-                group.prompt_logprobs.append(None)
-            group.prompt_logprobs.append(top_logprobs(lps[i], seq.token_ids[pos], k))
+        for i, token in enumerate(targets.tolist()):
+            lps.append(top_logprobs(rows[i], token, k))
 
     def decode(self, ids: list[int], params: SamplingParams) -> str:
         if self.tokenizer is None:
@@ -126,4 +132,5 @@ class OutputProcessor:
             group.prompt_logprobs,
             group.error,
             metrics,
+            group.prompt_logprob_ranks,
         )

@@ -31,3 +31,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # why a request finished with "error"
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token and finish times (monotonic)
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1 = top)

@@ -1,10 +1,10 @@
 """Token sampling over a batch of logits rows, each with its own :class:`SamplingParams`.
 
 Order of operations (as HF's logits processors and vLLM apply them): penalties (repetition on prompt + output,
-presence/frequency on the output), ``min_tokens`` masking of stop tokens, temperature (below ``SAMPLING_EPS``:
-greedy), then top-k, top-p and min-p truncation, then a draw. Draws use the exponential race (``argmax p_i / E_i``
-with ``E_i ~ Exp(1)``), which samples exactly from ``p``; a request with a ``seed`` draws its noise from its own
-generator, so its tokens do not depend on what else shares the batch.
+presence/frequency on the output), ``logit_bias`` (added to the logits), ``min_tokens`` masking of stop tokens,
+temperature (below ``SAMPLING_EPS``: greedy), then top-k, top-p and min-p truncation, then a draw. Draws use the
+exponential race (``argmax p_i / E_i`` with ``E_i ~ Exp(1)``), which samples exactly from ``p``; a request with a
+``seed`` draws its noise from its own generator, so its tokens do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ class Sampler:
             i
             for i, row in enumerate(rows)
             if row.params.needs_penalties
+            or row.params.logit_bias
             or (row.params.min_tokens and row.seq.num_output_tokens < row.params.min_tokens)
         ]
         if not need:
@@ -127,6 +128,9 @@ class Sampler:
                 out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
                 counts = torch.bincount(out, minlength=vocab).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=logits.device)
             if p.min_tokens and seq.num_output_tokens < p.min_tokens and rows[i].stop_ids:
                 row[torch.tensor(rows[i].stop_ids, dtype=torch.long, device=logits.device)] = float("-inf")
         return logits

@@ -20,7 +20,12 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``use_beam_search`` keeps ``n`` beams and returns the ``n`` best finished
     hypotheses, following Hugging Face ``generate(num_beams=n, do_sample=False)`` (see ``beam_search.py``).
     Log-probabilities reported by ``logprobs`` / ``prompt_logprobs`` are those of the model's raw distribution
-    (log-softmax of the logits before penalties, temperature and truncation).
+    (log-softmax of the logits before penalties, ``logit_bias``, temperature and truncation). A request with
+    ``prompt_logprobs`` computes its whole prompt (it reads nothing from the prefix cache, whose blocks hold K/V but
+    not the logits it needs); what it computes is cached for others. ``logit_bias`` maps a token id to a value in
+    [-100, 100] added to its logit before sampling (OpenAI's field): +100 all but forces the token, -100 all but
+    bans it. Beam search ranks hypotheses by the raw log-probs, so it takes none of the logits processors
+    (penalties, bias, truncation).
     """
 
     n: int = 1
@@ -39,7 +44,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k log-probs per generated token (the sampled token is always included)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k log-probs per prompt token given its prefix (None for the first)
+    logit_bias: dict[int, float] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # HF semantics: True, False (heuristic) or "never"
@@ -94,6 +100,30 @@ class SamplingParams:
             "temperature",
             "beam search is deterministic: leave temperature at its default",
         )
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        for token, bias in (self.logit_bias or {}).items():
+            _check(
+                isinstance(token, int) and token >= 0,
+                "logit_bias",
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
+            )
+            _check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.use_beam_search:
+            used = {
+                "logit_bias": bool(self.logit_bias),
+                "repetition_penalty": self.repetition_penalty != 1.0,
+                "presence_penalty": self.presence_penalty != 0,
+                "frequency_penalty": self.frequency_penalty != 0,
+                "top_p": self.top_p < 1,
+                "top_k": self.top_k > 0,
+                "min_p": self.min_p > 0,
+            }
+            names = [name for name, on in used.items() if on]
+            _check(
+                not names,
+                names[0] if names else "",
+                f"beam search ranks hypotheses by the model's raw log-probs: {', '.join(names)} cannot apply to it",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -213,7 +213,8 @@ class Scheduler:
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
             shared = self._shared_prefix(seqs)
-            status = bm.can_allocate([s.token_ids for s in seqs], shared)
+            cached = group.params.prompt_logprobs is None or group.forked  # scoring a prompt computes all of it
+            status = bm.can_allocate([s.token_ids for s in seqs], shared, cached)
             if status == AllocStatus.NEVER:  # cannot happen to a request _never_fits let in: fail it, never stall
                 self.waiting.popleft()
                 group.error = (
@@ -233,7 +234,7 @@ class Scheduler:
             if budget < len(seqs):
                 break
             self.waiting.popleft()
-            self._allocate(group, seqs, shared)
+            self._allocate(group, seqs, shared, cached)
             budget -= self._take(group, self._plan(seqs, budget), out)
             num_seqs += len(seqs)
             _insert_by_arrival(self.running, group)
@@ -248,7 +249,7 @@ class Scheduler:
         common = next((i for i in range(limit) if any(s.token_ids[i] != first[i] for s in seqs)), limit)
         return common // self.block_manager.block_size * self.block_manager.block_size
 
-    def _allocate(self, group: SequenceGroup, seqs: list[Sequence], shared: int) -> None:
+    def _allocate(self, group: SequenceGroup, seqs: list[Sequence], shared: int, cached: bool) -> None:
         """Block tables for a waiting group, all at once. After a recompute of a forked group the first sequence
         (the leader) recomputes the ``shared`` leading tokens for all of them and the others share its blocks.
         They never read those blocks before they are written: the leader is planned first and takes
@@ -257,7 +258,7 @@ class Scheduler:
         there its K/V are written before any attention reads them."""
         bm = self.block_manager
         leader = seqs[0]
-        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids, cached)
         for s in seqs[1:]:
             if shared:
                 bm.fork(leader.seq_id, s.seq_id, shared)

@@ -125,6 +125,7 @@ class SequenceGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     # beam search state (HF semantics): finished hypotheses and whether the early-stop heuristic still allows gains
     finished_beams: list[FinishedBeam] = field(default_factory=list)
     beam_improvable: bool = True
@@ -139,6 +140,7 @@ class SequenceGroup:
         self.prompt_token_ids: list[int] = self.seqs[0].prompt_token_ids
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
+            self.prompt_logprob_ranks = [None]
 
     def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status == status]

@@ -8,8 +8,10 @@ Saved with its tokenizer, a checkpoint carries the special-token ids (``bos_toke
 ``pad_token_id``) in ``config.json`` and a ``generation_config.json``, so ``transformers``' ``generate`` stops at
 EOS as spinwheel's engine does. Files are written with the modes the umask gives (safetensors writes 0600).
 
-Loading asserts every key and shape (as nanoGPT's ``from_pretrained`` does): a missing, unexpected or mis-shaped
-tensor raises :class:`CheckpointError` naming the key and what was expected.
+Loading asserts every key and shape (as nanoGPT's ``from_pretrained`` does) against the safetensors headers before
+any tensor is read or the model allocated: a missing, unexpected or mis-shaped tensor, or a ``config.json`` that
+describes more (or fewer) layers than the checkpoint holds, raises :class:`CheckpointError` naming the key and
+what was expected.
 """
 
 from __future__ import annotations
@@ -101,17 +103,72 @@ def _weight_files(path: Path) -> list[Path]:
     return found
 
 
+def _our_name(key: str) -> str:
+    """HF tensor name -> spinwheel's (inverse of :func:`hf_key`)."""
+    name = key[len(_HF_PREFIX) :] if key.startswith(_HF_PREFIX) else key
+    if name.startswith(_SCORE):  # a sequence classifier's head is our output layer
+        name = "lm_head." + name[len(_SCORE) :]
+    return name
+
+
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, under spinwheel's names."""
     out: dict[str, torch.Tensor] = {}
     for f in _weight_files(Path(path)):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                name = key[len(_HF_PREFIX) :] if key.startswith(_HF_PREFIX) else key
-                if name.startswith(_SCORE):  # a sequence classifier's head is our output layer
-                    name = "lm_head." + name[len(_SCORE) :]
-                out[name] = sf.get_tensor(key)
+                out[_our_name(key)] = sf.get_tensor(key)
     return out
+
+
+def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape under spinwheel's names, from the safetensors headers alone: no tensor is read."""
+    out: dict[str, tuple[int, ...]] = {}
+    for f in _weight_files(Path(path)):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                out[_our_name(key)] = tuple(sf.get_slice(key).get_shape())
+    return out
+
+
+def check_config(path: str | os.PathLike, config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> Transformer:
+    """The model ``config`` describes, on the meta device; :class:`CheckpointError` unless it has exactly the
+    tensors in ``shapes`` (names and shapes). Nothing is allocated, and a doctored ``config.json`` fails in a line:
+    layers the checkpoint lacks are counted from the tensor names first (``num_hidden_layers`` 10^6 over a 2-layer
+    checkpoint would otherwise build a million modules, even on the meta device); then the meta model's state is
+    compared with the header."""
+    layers = {int(name.split(".")[1]) for name in shapes if name.startswith("layers.") and name.split(".")[1].isdigit()}
+    if config.num_hidden_layers > len(layers):
+        raise CheckpointError(
+            f"{Path(path) / 'config.json'}: num_hidden_layers is {config.num_hidden_layers}, but the checkpoint's "
+            f"tensors hold {len(layers)} layers"
+        )
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    shapes = dict(shapes)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        shapes.pop("lm_head.weight", None)  # some tied checkpoints still carry the head; it equals the embedding
+    scalar = config.num_labels is not None
+    missing = [k for k in expected if k not in shapes]
+    if missing:
+        raise CheckpointError(
+            f"{path}: missing tensor '{hf_key(missing[0], scalar)}'"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    unexpected = [k for k in shapes if k not in expected and not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise CheckpointError(
+            f"{path}: unexpected tensor '{hf_key(unexpected[0], scalar)}' for a "
+            f"{config.model_type} model with this config.json"
+        )
+    for name, ref in expected.items():
+        if shapes[name] != ref:
+            raise CheckpointError(
+                f"{path}: tensor '{hf_key(name, scalar)}' has shape {shapes[name]}, expected {ref} from config.json"
+            )
+    return model
 
 
 def load_model(
@@ -142,33 +199,10 @@ def load_model(
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found (or use a preset: {', '.join(PRESETS)})")
     config = load_config(path)
+    model = check_config(path, config, tensor_shapes(path))  # before any tensor is read or memory allocated
     state = load_state_dict(path)
     target = resolve_dtype(dtype) or _DTYPES.get(config.torch_dtype, torch.float32)
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = {n: p for n, p in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        state.pop("lm_head.weight", None)  # some tied checkpoints still carry the head; it equals the embedding
-    scalar = config.num_labels is not None
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise CheckpointError(
-            f"{path}: missing tensor '{hf_key(missing[0], scalar)}'"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
-    unexpected = [k for k in state if k not in expected and not k.endswith("rotary_emb.inv_freq")]
-    if unexpected:
-        raise CheckpointError(
-            f"{path}: unexpected tensor '{hf_key(unexpected[0], scalar)}' for a "
-            f"{config.model_type} model with this config.json"
-        )
-    for name, ref in expected.items():
-        if tuple(state[name].shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{path}: tensor '{hf_key(name, scalar)}' has shape {tuple(state[name].shape)}, "
-                f"expected {tuple(ref.shape)} from config.json"
-            )
+    expected = [n for n in model.state_dict() if not (config.tie_word_embeddings and n == "lm_head.weight")]
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)
     # to_empty left the non-persistent RoPE buffer uninitialised; it is not in the file, so recompute it.

@@ -100,8 +100,21 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health() -> Response:
+            """200 while the engine serves; 503 with an error object naming the cause when its thread stopped, or
+            when it has had work and made no progress for ``--health-stall-s`` (a scheduler stall, a hung step)."""
             if not self.async_engine.alive:
-                return JSONResponse({"status": "error", "error": repr(self.async_engine.error)}, status_code=503)
+                error = APIError(503, f"the engine has stopped: {self.async_engine.error!r}", type="server_error")
+                return JSONResponse({"status": "error", **error.body()}, status_code=503)
+            stalled = self.async_engine.seconds_without_progress()
+            if stalled > self.limits.health_stall_s:
+                error = APIError(
+                    503,
+                    f"the engine has had unfinished requests for {stalled:.1f} s without producing a token or "
+                    f"finishing a request (limit: --health-stall-s {self.limits.health_stall_s:g})",
+                    type="server_error",
+                    code="engine_stalled",
+                )
+                return JSONResponse({"status": "error", **error.body()}, status_code=503)
             return JSONResponse({"status": "ok"})
 
         @app.get("/metrics")

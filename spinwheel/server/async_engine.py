@@ -93,6 +93,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def seconds_without_progress(self) -> float:
+        """How long the engine has had work without progress (0 when idle): what ``/health`` compares with its
+        limit. Read from the event loop while the engine thread steps; it only reads two attributes."""
+        return self.engine.seconds_without_progress()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()

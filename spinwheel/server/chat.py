@@ -1,6 +1,6 @@
-"""``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template, ``n`` choices,
-``logprobs`` / ``top_logprobs``; a JSON response or a server-sent-event stream whose first chunk per choice carries
-the assistant role."""
+"""``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template, ``n`` choices (the best
+of ``best_of``), ``logprobs`` / ``top_logprobs``, vLLM's ``prompt_logprobs`` (non-streaming); a JSON response or a
+server-sent-event stream whose first chunk per choice carries the assistant role."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from starlette.requests import Request
 from spinwheel.models.tokenizer import Tokenizer, TokenizerError
 from spinwheel.server import generation
 from spinwheel.server.async_engine import AsyncEngine
-from spinwheel.server.logprobs import chat_logprobs
-from spinwheel.server.params import ServedModel
+from spinwheel.server.logprobs import chat_logprobs, prompt_logprobs
+from spinwheel.server.params import ServedModel, keep_best, num_candidates
 from spinwheel.server.protocol import APIError, ChatCompletionRequest, ChatMessage
 from spinwheel.server.streaming import Delta, chunk_envelope, stream_response
 
@@ -40,7 +40,7 @@ class ChatCompletions:
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.model.check_name(body.model)
-        self.model.check_num_sequences(1, body.n)
+        self.model.check_num_sequences(1, num_candidates(body))
         size = sum(len(m.text()) for m in body.messages)
         ids = await generation.off_loop(size, render_chat, self.tokenizer, body.messages, body.add_generation_prompt)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -52,12 +52,15 @@ class ChatCompletions:
         names = {"logprobs": "top_logprobs"}
         if body.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
-        params = self.model.sampling_params(body, max_tokens, top_k if want_lp else None, names)
+        params = self.model.sampling_params(
+            body, max_tokens, top_k if want_lp else None, names, prompt_logprobs=body.prompt_logprobs
+        )
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
 
         if not body.stream:
             (out,) = await generation.collect(self.engine, request, rid, [ids], params)
+            out = keep_best(out, body.n)
             choices = [
                 {
                     "index": c.index,
@@ -69,16 +72,19 @@ class ChatCompletions:
                 }
                 for c in out.outputs
             ]
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": self.model.name,
-                    "choices": choices,
-                    "usage": generation.usage([ids], [out]),
-                }
-            )
+            response = {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model.name,
+                "choices": choices,
+                "usage": generation.usage([ids], [out]),
+            }
+            if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                response["prompt_logprobs"] = prompt_logprobs(
+                    self.tokenizer, ids, out.prompt_logprobs, out.prompt_logprob_ranks, body.prompt_logprobs
+                )
+            return JSONResponse(response)
 
         def render(d: Delta) -> list[dict]:
             c = d.output

@@ -1,21 +1,25 @@
-"""``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` choices per prompt, ``echo``,
-``logprobs``; a JSON response or a server-sent-event stream. Choice ``i * n + j`` is sample ``j`` of prompt ``i``."""
+"""``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` choices per prompt (the best of
+``best_of``), ``echo``, ``logprobs`` (with ``echo``, the prompt's tokens scored too, the first one null), vLLM's
+``prompt_logprobs`` on each choice; a JSON response or a server-sent-event stream. Choice ``i * n + j`` is sample
+``j`` of prompt ``i``. ``echo`` with ``max_tokens=0`` returns the prompt alone (with ``logprobs``: scored)."""
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from spinwheel.engine import CompletionOutput
+from spinwheel.engine import CompletionOutput, RequestOutput
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.server import generation
 from spinwheel.server.async_engine import AsyncEngine
-from spinwheel.server.logprobs import completion_logprobs
-from spinwheel.server.params import DEFAULT_MAX_TOKENS, ServedModel
+from spinwheel.server.logprobs import completion_logprobs, concat_logprobs, prompt_logprobs
+from spinwheel.server.params import DEFAULT_MAX_TOKENS, ServedModel, keep_best, num_candidates
 from spinwheel.server.protocol import APIError, CompletionRequest
 from spinwheel.server.streaming import Delta, chunk_envelope, stream_response
 
@@ -43,13 +47,24 @@ class Completions:
             raise APIError(400, "suffix is not supported", param="suffix")
         raw = body.prompt
         num_prompts = 1 if isinstance(raw, str) or isinstance(raw[0], int) else len(raw)
-        self.model.check_num_sequences(num_prompts, body.n)
+        self.model.check_num_sequences(num_prompts, num_candidates(body))
         size = len(raw) if isinstance(raw, str) else sum(len(p) for p in raw) if isinstance(raw[0], str) else 0
         texts, prompts = await generation.off_loop(size, self._tokenize, body)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+        # OpenAI's way to score a prompt: echo it with max_tokens=0. The engine generates one token, dropped.
+        prompt_only = body.echo and max_tokens == 0
+        if prompt_only:
+            max_tokens = 1
         for ids in prompts:
             self.model.check_prompt(ids, max_tokens, "prompt")
-        params = self.model.sampling_params(body, max_tokens, body.logprobs)
+        # echo with logprobs scores the prompt too (as vLLM does): its engine request asks for prompt logprobs
+        echo_lp = body.echo and body.logprobs is not None
+        scored = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_lp else body.prompt_logprobs
+        params = self.model.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=scored)
+
+        def drop(out: RequestOutput) -> RequestOutput:
+            return _drop_outputs(out) if prompt_only else out
+
         rid = f"cmpl-{secrets.token_hex(12)}"
         created = int(time.time())
 
@@ -58,23 +73,39 @@ class Completions:
                 return ""
             return texts[i] if texts[i] is not None else self.tokenizer.decode(prompts[i])  # type: ignore
 
-        def choice(
-            i: int, c: CompletionOutput, text: str, start_token: int, start_char: int, finish: str | None
-        ) -> dict:
+        def choice(i: int, out: RequestOutput, c: CompletionOutput, d: Delta | None) -> dict:
+            """Choice ``c`` of prompt ``i``: whole (``d`` None) or the delta ``d`` of a stream. The echoed prompt
+            (and its logprobs, and vLLM's prompt_logprobs) come with the whole choice or its first delta."""
+            first = d is None or d.first
+            echoed = prefix(i) if first else ""
+            start_token, start_char = (0, 0) if d is None else (d.start_token, d.start_char)
             lp = None
             if body.logprobs is not None and c.logprobs is not None:
                 lp = completion_logprobs(
-                    self.tokenizer, c.token_ids[start_token:], c.logprobs[start_token:], start_char
+                    self.tokenizer,
+                    c.token_ids[start_token:],
+                    c.logprobs[start_token:],
+                    len(prefix(i)) + start_char,
+                    body.logprobs,
                 )
-            return {"index": i * body.n + c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+                if echo_lp and first and out.prompt_logprobs is not None:
+                    echo = completion_logprobs(
+                        self.tokenizer, prompts[i], out.prompt_logprobs, 0, body.logprobs, echoed=True
+                    )
+                    lp = concat_logprobs(echo, lp)
+            text = echoed + (c.text if d is None else d.text)
+            finish = c.finish_reason if d is None else d.finish_reason
+            ch = {"index": i * body.n + c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            if body.prompt_logprobs is not None and first and out.prompt_logprobs is not None:
+                ch["prompt_logprobs"] = prompt_logprobs(
+                    self.tokenizer, prompts[i], out.prompt_logprobs, out.prompt_logprob_ranks, body.prompt_logprobs
+                )
+            return ch
 
         if not body.stream:
             outs = await generation.collect(self.engine, request, rid, prompts, params)
-            choices = [
-                choice(i, c, prefix(i) + c.text, 0, len(prefix(i)), c.finish_reason)
-                for i, out in enumerate(outs)
-                for c in out.outputs
-            ]
+            outs = [drop(keep_best(out, body.n)) for out in outs]
+            choices = [choice(i, out, c, None) for i, out in enumerate(outs) for c in out.outputs]
             choices.sort(key=lambda ch: ch["index"])
             return JSONResponse(
                 {
@@ -87,18 +118,43 @@ class Completions:
                 }
             )
 
+        latest: dict[int, RequestOutput] = {}  # each prompt's newest output: its prompt logprobs
+
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            async with aclosing(generation.run(self.engine, rid, prompts, params)) as run:
+                async for i, out in run:
+                    latest[i] = out = drop(out)
+                    yield i, out
+
         def render(d: Delta) -> list[dict]:
-            echoed = prefix(d.prompt_index) if d.first else ""
-            if not d.text and not echoed and d.finish_reason is None and d.output.logprobs is None:
+            if not d.text and not (d.first and body.echo) and d.finish_reason is None and d.output.logprobs is None:
                 return []
-            return [choice(d.prompt_index, d.output, echoed + d.text, d.start_token, d.start_char, d.finish_reason)]
+            return [choice(d.prompt_index, latest[d.prompt_index], d.output, d)]
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return stream_response(
-            generation.run(self.engine, rid, prompts, params),
+            outputs(),
             params.stop,
             render,
             chunk_envelope(rid, "text_completion", created, self.model.name),
             sum(len(p) for p in prompts) if include_usage else None,
             self.on_error,
         )
+
+
+def _drop_outputs(out: RequestOutput) -> RequestOutput:
+    """``out`` with its generated tokens dropped (``max_tokens=0``: only the echoed prompt is returned); a finished
+    choice ends by length, as it would have at zero tokens."""
+    choices = [
+        replace(
+            c,
+            text="",
+            token_ids=[],
+            cumulative_logprob=0.0,
+            logprobs=None if c.logprobs is None else [],
+            finish_reason="length" if c.finished else None,
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return replace(out, outputs=choices)

@@ -41,6 +41,11 @@ class ServerLimits:
     log_repeat_interval_s: float = option(
         10.0, help="a repeated warning or error is logged once per interval, with the number suppressed"
     )
+    health_stall_s: float = option(
+        60.0,
+        help="/health answers 503 when the engine has had unfinished requests for this many seconds without "
+        "producing a token or finishing a request",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_sequences_per_request"):
@@ -48,7 +53,13 @@ class ServerLimits:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.send_buffer_kb < 0:
             raise ValueError(f"--send-buffer-kb must be >= 0, got {self.send_buffer_kb}")
-        for name in ("header_timeout_s", "body_timeout_s", "stall_timeout_s", "log_repeat_interval_s"):
+        for name in (
+            "header_timeout_s",
+            "body_timeout_s",
+            "stall_timeout_s",
+            "log_repeat_interval_s",
+            "health_stall_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
 

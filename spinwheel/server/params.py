@@ -2,15 +2,20 @@
 :class:`~spinwheel.engine.SamplingParams`, and where the rules that need the model are checked (the served model's
 name, token ids inside the vocabulary, prompt plus ``max_tokens`` inside the context).
 
-Value ranges (``n >= 1``, ``top_p`` in (0, 1], ...) are :class:`SamplingParams`' own; its ``ValueError`` becomes a
-400 here, so a rule is written once and gives the same message offline and over HTTP.
+Value ranges (``n >= 1``, ``top_p`` in (0, 1], ``logit_bias`` in [-100, 100], ...) are :class:`SamplingParams`' own;
+its ``ValueError`` becomes a 400 here, so a rule is written once and gives the same message offline and over HTTP.
+
+``best_of`` and beam search follow vLLM's OpenAI server: the engine runs ``best_of`` samples (or beams; default
+``n``) and :func:`keep_best` returns the ``n`` with the highest cumulative log-prob (beam search: score), best
+first. Neither streams (which of the candidates is returned is known only at the end). What is not served —
+``response_format`` other than text, tool calling — is refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from spinwheel.engine import SamplingParams
+from spinwheel.engine import RequestOutput, SamplingParams
 from spinwheel.engine.sampling_params import SamplingParamsError
 from spinwheel.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -80,20 +85,41 @@ class ServedModel:
             )
         return max_tokens
 
+    def logit_bias(self, body: CompletionRequest | ChatCompletionRequest) -> dict[int, float] | None:
+        """OpenAI's ``{"token id": bias}`` with integer keys inside the vocabulary (the values' range is checked by
+        :class:`SamplingParams`)."""
+        if not body.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in body.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            bias[token] = value
+        self.check_token_ids(list(bias), "logit_bias", what="logit_bias token id")
+        return bias
+
     def sampling_params(
         self,
         body: CompletionRequest | ChatCompletionRequest,
         max_tokens: int,
         logprobs: int | None,
         field_names: dict[str, str] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """The engine's settings for ``body``. ``max_tokens`` and ``logprobs`` come resolved from the endpoint
-        (their names and defaults differ between completions and chat; ``field_names`` maps a SamplingParams
-        field to the request field an error should name)."""
+        """The engine's settings for ``body``: ``n`` is the number of candidates (``best_of``, default ``n``).
+        ``max_tokens``, ``logprobs`` and ``prompt_logprobs`` come resolved from the endpoint (their names and
+        defaults differ between completions and chat; ``field_names`` maps a SamplingParams field to the request
+        field an error should name)."""
+        check_supported(body)
+        if body.use_beam_search and logprobs is not None:
+            raise APIError(400, "logprobs are not reported for beam search", param="logprobs")
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids", what="stop token id")
+        logit_bias = self.logit_bias(body)
         try:
             return SamplingParams(
-                n=body.n,
+                n=num_candidates(body),
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=min(body.top_k, self.vocab_size),  # larger than the vocabulary means all of it
@@ -108,6 +134,52 @@ class ServedModel:
                 min_tokens=body.min_tokens,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=logit_bias,
+                use_beam_search=body.use_beam_search,
+                length_penalty=body.length_penalty,
+                early_stopping=body.early_stopping,
             )
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=(field_names or {}).get(e.param, e.param)) from None
+
+
+def num_candidates(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many sequences the engine runs per prompt: ``best_of`` (samples or beams), ``n`` when not given."""
+    return body.n if body.best_of is None else body.best_of
+
+
+def check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 for fields whose meaning this server cannot honour, and for ``best_of`` that contradicts ``n`` or
+    ``stream``."""
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        raise APIError(
+            400,
+            f"response_format {fmt.get('type')!r} is not supported: this server generates plain text only "
+            "(leave response_format out or use {'type': 'text'})",
+            param="response_format",
+        )
+    if isinstance(body, ChatCompletionRequest):
+        for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+            if getattr(body, choice) not in (None, "none") or (getattr(body, tools) and getattr(body, choice) is None):
+                raise APIError(
+                    400,
+                    f"tool calling is not supported: leave {tools} out, or set {choice} to 'none'",
+                    param=choice if getattr(body, choice) is not None else tools,
+                )
+    if body.best_of is not None and body.best_of < body.n:
+        raise APIError(400, f"best_of ({body.best_of}) must be >= n ({body.n})", param="best_of")
+    if body.stream and num_candidates(body) > body.n:
+        raise APIError(400, "best_of > n cannot stream: the best candidates are known only at the end", param="best_of")
+    if body.stream and body.use_beam_search:
+        raise APIError(400, "beam search cannot stream: the best beams are known only at the end", param="stream")
+
+
+def keep_best(out: RequestOutput, n: int) -> RequestOutput:
+    """The ``n`` best of the request's candidates, best first and indexed ``0..n-1``: by cumulative log-prob (beam
+    search: length-penalised score, already in that order). With ``n`` candidates (no ``best_of``), ``out``."""
+    if len(out.outputs) <= n:
+        return out
+    ranked = sorted(out.outputs, key=lambda c: -(c.score if c.score is not None else c.cumulative_logprob))
+    return replace(out, outputs=[replace(c, index=i) for i, c in enumerate(ranked[:n])])

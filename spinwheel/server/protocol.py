@@ -124,6 +124,13 @@ class _SamplingFields(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    logit_bias: dict[StrictStr, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extension
+    use_beam_search: StrictBool = False  # vLLM extension: best_of (or n) beams, the n best returned
+    length_penalty: float = 1.0  # vLLM extension (beam search)
+    early_stopping: StrictBool | Literal["never"] = False  # vLLM extension (beam search)
+    response_format: dict[str, Any] | None = None  # only {"type": "text"} is served
 
     @field_validator("stop")
     @classmethod
@@ -187,6 +194,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)
     max_completion_tokens: StrictInt | None = None
     add_generation_prompt: StrictBool = True  # vLLM extension
+    tools: list[Any] | None = None  # tool calling is not served: only an absent or "none" tool_choice
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # the deprecated spelling of tools
+    function_call: StrictStr | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
