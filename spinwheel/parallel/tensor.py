@@ -1,18 +1,29 @@
 """Megatron-style tensor parallelism (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language
 Models Using Model Parallelism").
 
-The two conjugate operators of the paper (§3, Fig. 3):
+The two conjugate operators of the paper (§3, Fig. 3), and the pair that moves a tensor between its replicated and
+last-dim-sharded forms:
 
 * ``f`` = :func:`copy_to_tp` — identity forward, all-reduce backward (enters a tensor-parallel region);
-* ``g`` = :func:`reduce_from_tp` — all-reduce forward, identity backward (leaves it).
+* ``g`` = :func:`reduce_from_tp` — all-reduce forward, identity backward (leaves it);
+* :func:`gather_from_tp` — all-gather of the last dim forward, this rank's slice of the gradient backward;
+* :func:`scatter_to_tp` — this rank's slice of the last dim forward, all-gather of the gradient backward.
 
-A column-parallel linear holds a slice of the output features (``f`` then a local matmul; its output stays
-sharded); a row-parallel linear holds a slice of the input features (local matmul then ``g``; the bias is added
-once, after the reduction). Attention is split by heads — q, k and v column-parallel (query and key/value heads
-alike, so grouped-query attention keeps its grouping), ``o_proj`` row-parallel — and the MLP column-then-row, so a
-block needs one all-reduce forward and one backward per sub-layer. The embedding is vocab-parallel (each rank holds
-V/tp rows, out-of-range tokens give zeros, ``g`` sums), the head is column-parallel over the vocabulary and
-:func:`vocab_parallel_cross_entropy` computes the loss from the sharded logits without gathering them.
+A column-parallel linear holds a slice of the output features (``f`` then a local matmul; its output stays sharded
+unless ``gather_output``); a row-parallel linear holds a slice of the input features (local matmul then ``g``; the
+bias is added once, after the reduction; a replicated input is split first unless ``input_is_parallel``). Both
+work on their own, built from the dense ``nn.Linear`` they replace.
+
+In a block, attention is split by heads — q, k and v column-parallel (query and key/value heads alike, so
+grouped-query attention keeps its grouping), ``o_proj`` row-parallel — and the MLP column-then-row. The column
+layers of a sub-layer read the same input, so they share one ``f``, applied to the sub-layer's input by a forward
+pre-hook (:func:`enter_tp_region`, torchtitan's ``PrepareModuleInput``) instead of one per projection: the
+gradients of q, k and v (of gate and up) are summed locally first, then all-reduced once. A block thus costs two
+all-reduces of its activation (B, T, C) forward (``g`` after ``o_proj`` and ``down_proj``) and two backward (``f``
+before attention and before the MLP), as Megatron's fused QKV and gate/up GEMMs do. The embedding is vocab-parallel
+(each rank holds V/tp rows, out-of-range tokens give zeros, ``g`` sums), the head is column-parallel over the
+vocabulary and :func:`vocab_parallel_cross_entropy` computes the loss from the sharded logits without gathering
+them (two small all-reduces of (N,) and (2, N) forward, none backward).
 
 :func:`apply_tensor_parallel` swaps these layers into a :class:`~spinwheel.models.transformer.Transformer` from the
 outside and keeps parameter names, so checkpoints map one to one.
@@ -57,6 +68,32 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None
 
 
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather of the last dim forward (..., n/tp) -> (..., n); this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis, comm):
+        ctx.axis = axis
+        return torch.cat(comm.all_gather_list(x, axis), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.axis.size, dim=-1)[ctx.axis.rank].contiguous(), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """This rank's slice of the last dim forward (..., n) -> (..., n/tp); all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis, comm):
+        ctx.axis, ctx.comm = axis, comm
+        return x.chunk(axis.size, dim=-1)[axis.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.cat(ctx.comm.all_gather_list(grad, ctx.axis), dim=-1), None, None
+
+
 def copy_to_tp(x: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
     return _CopyToTP.apply(x, axis, comm) if axis.size > 1 else x
 
@@ -65,39 +102,81 @@ def reduce_from_tp(x: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
     return _ReduceFromTP.apply(x, axis, comm) if axis.size > 1 else x
 
 
+def gather_from_tp(x: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
+    return _GatherFromTP.apply(x, axis, comm) if axis.size > 1 else x
+
+
+def scatter_to_tp(x: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
+    return _ScatterToTP.apply(x, axis, comm) if axis.size > 1 else x
+
+
 def _shard(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     return t.detach().chunk(axis.size, dim=dim)[axis.rank].clone()
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., out/tp] = f(x) @ W[out/tp, in]ᵀ + b[out/tp]; the output stays sharded on its last dim."""
+    """y[..., out/tp] = f(x) @ W[out/tp, in]ᵀ + b[out/tp], built from the dense ``linear`` (W (out, in)) it shards.
+
+    ``gather_output``: all-gather y to (..., out) on every rank (else it stays sharded on its last dim, as a
+    following row-parallel layer wants it). ``copy_input=False`` leaves ``f`` out: the caller applied one ``f`` to
+    an input several column layers share (:func:`enter_tp_region`); without it the input gradient is partial.
+    """
 
     shard_dims = {"weight": 0, "bias": 0}
 
-    def __init__(self, linear: nn.Linear, axis: Axis, comm: Comm) -> None:
+    def __init__(
+        self, linear: nn.Linear, axis: Axis, comm: Comm, *, gather_output: bool = False, copy_input: bool = True
+    ) -> None:
         super().__init__()
+        if linear.out_features % axis.size:
+            raise ValueError(f"tp={axis.size} must divide out_features ({linear.out_features})")
         self.axis, self.comm = axis, comm
+        self.gather_output, self.copy_input = gather_output, copy_input
         self.weight = nn.Parameter(_shard(linear.weight, 0, axis))
         self.bias = nn.Parameter(_shard(linear.bias, 0, axis)) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.axis, self.comm), self.weight, self.bias)
+        x = copy_to_tp(x, self.axis, self.comm) if self.copy_input else x
+        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        return gather_from_tp(y, self.axis, self.comm) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """y = g(x[..., in/tp] @ W[out, in/tp]ᵀ) + b; the input is sharded on its last dim, the output replicated."""
+    """y = g(x[..., in/tp] @ W[out, in/tp]ᵀ) + b, built from the dense ``linear`` (W (out, in)) it shards; the
+    output is replicated.
+
+    ``input_is_parallel``: x arrives sharded on its last dim (a column-parallel layer's output); else x (..., in) is
+    replicated and this rank's slice is taken first (its gradient all-gathered back to (..., in)).
+    """
 
     shard_dims = {"weight": 1}
 
-    def __init__(self, linear: nn.Linear, axis: Axis, comm: Comm) -> None:
+    def __init__(self, linear: nn.Linear, axis: Axis, comm: Comm, *, input_is_parallel: bool = True) -> None:
         super().__init__()
+        if linear.in_features % axis.size:
+            raise ValueError(f"tp={axis.size} must divide in_features ({linear.in_features})")
         self.axis, self.comm = axis, comm
+        self.input_is_parallel = input_is_parallel
         self.weight = nn.Parameter(_shard(linear.weight, 1, axis))
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if self.input_is_parallel else scatter_to_tp(x, self.axis, self.comm)  # (..., in/tp)
         y = reduce_from_tp(F.linear(x, self.weight), self.axis, self.comm)
         return y + self.bias if self.bias is not None else y
+
+
+def enter_tp_region(module: nn.Module, axis: Axis, comm: Comm) -> None:
+    """Apply ``f`` once to ``module``'s first input (a forward pre-hook), for the column layers inside it that
+    share that input and were built with ``copy_input=False``: their input gradients add up locally and are
+    all-reduced once."""
+    if axis.size == 1:
+        return
+
+    def hook(mod: nn.Module, args: tuple) -> tuple:
+        return (copy_to_tp(args[0], axis, comm), *args[1:])
+
+    module.register_forward_pre_hook(hook)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -167,8 +246,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ax
     return loss.view(shape)
 
 
-_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROW = ("self_attn.o_proj", "mlp.down_proj")
+# Sub-layer -> its column-parallel projections (sharing the sub-layer's input and one f), its row-parallel one.
+_SUBLAYERS = {
+    "self_attn": (("q_proj", "k_proj", "v_proj"), "o_proj"),
+    "mlp": (("gate_proj", "up_proj"), "down_proj"),
+}
 
 
 def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str, int]:
@@ -183,14 +265,18 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str,
     layers = model.layers
     items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
     for idx, block in items:
-        for path, cls in [(p, ColumnParallelLinear) for p in _COLUMN] + [(p, RowParallelLinear) for p in _ROW]:
-            parent_name, attr = path.split(".")
-            parent = getattr(block, parent_name)
-            new = cls(getattr(parent, attr), axis, comm)
-            setattr(parent, attr, new)
-            for pname, dim in cls.shard_dims.items():
-                if getattr(new, pname, None) is not None:
-                    shard_dims[f"layers.{idx}.{path}.{pname}"] = dim
+        for sub_name, (columns, row) in _SUBLAYERS.items():
+            sub = getattr(block, sub_name)
+            new: dict[str, nn.Module] = {
+                name: ColumnParallelLinear(getattr(sub, name), axis, comm, copy_input=False) for name in columns
+            }
+            new[row] = RowParallelLinear(getattr(sub, row), axis, comm)
+            for name, layer in new.items():
+                setattr(sub, name, layer)
+                for pname, dim in layer.shard_dims.items():
+                    if getattr(layer, pname, None) is not None:
+                        shard_dims[f"layers.{idx}.{sub_name}.{name}.{pname}"] = dim
+            enter_tp_region(sub, axis, comm)
     tied = (
         getattr(model, "embed_tokens", None) is not None
         and getattr(model, "lm_head", None) is not None
