@@ -3,7 +3,9 @@
 Every wrapper in :mod:`spinwheel.parallel` talks to other ranks only through a :class:`Comm`. It counts what each
 collective moves per rank the way the ZeRO paper (Rajbhandari et al., 2020, §7) counts it, in elements of the full
 tensor Ψ: an all-reduce moves 2Ψ (reduce-scatter then all-gather), a reduce-scatter Ψ, an all-gather Ψ. Point-to-
-point sends count their own size. So DDP moves 2Ψ per step, ZeRO-1/2 2Ψ, ZeRO-3 / FSDP 3Ψ.
+point sends count their own size. So DDP moves 2Ψ per step, ZeRO-1/2 2Ψ, ZeRO-3 / FSDP 3Ψ. Counts are kept per grid
+axis too (``tp``, ``dp``, ``dp_shard``, ...); under ``torchrun`` the training loops write each step's share of them
+to ``metrics.jsonl`` (:meth:`CommStats.metrics`), so a user sees what a layout costs.
 
 Work handles wait with a timeout, so a dead peer ends the job with an error instead of a hang. Axes of size 1 (and
 the whole single-process case) never touch ``torch.distributed``: the collectives reduce to local copies.
@@ -23,16 +25,21 @@ ReduceOp = dist.ReduceOp
 
 @dataclass
 class CommStats:
-    """Per-rank communication volume (ZeRO accounting), keyed by operation name."""
+    """Per-rank communication volume (ZeRO accounting): totals keyed by operation name, and calls and bytes keyed
+    by (axis name, operation) — what :meth:`metrics` reports."""
 
     elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    axis_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    axis_calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, op: str, elements: int, element_size: int) -> None:
+    def add(self, op: str, elements: int, element_size: int, axis: str = "world") -> None:
         self.elements[op] += elements
         self.bytes[op] += elements * element_size
         self.calls[op] += 1
+        self.axis_bytes[axis, op] += elements * element_size
+        self.axis_calls[axis, op] += 1
 
     def total_bytes(self, ops: tuple[str, ...] | None = None) -> int:
         return sum(v for k, v in self.bytes.items() if ops is None or k in ops)
@@ -40,10 +47,24 @@ class CommStats:
     def total_elements(self, ops: tuple[str, ...] | None = None) -> int:
         return sum(v for k, v in self.elements.items() if ops is None or k in ops)
 
+    def metrics(self, prefix: str = "comm") -> dict[str, int]:
+        """Cumulative counters as flat metric names: ``{prefix}/{axis}/{op}/calls`` and ``.../bytes``, e.g.
+        ``comm/tp/all_reduce/bytes`` (an all-reduce of Ψ bytes counts 2Ψ, see the module docstring)."""
+        out: dict[str, int] = {}
+        for (axis, op), calls in sorted(self.axis_calls.items()):
+            out[f"{prefix}/{axis}/{op}/calls"] = calls
+            out[f"{prefix}/{axis}/{op}/bytes"] = self.axis_bytes[axis, op]
+        return out
+
     def reset(self) -> None:
-        self.elements.clear()
-        self.bytes.clear()
-        self.calls.clear()
+        for counter in (self.elements, self.bytes, self.calls, self.axis_bytes, self.axis_calls):
+            counter.clear()
+
+
+def metrics_since(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """What :meth:`CommStats.metrics` counted between two readings (e.g. one training step); collectives that did
+    not run in between are left out."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 class Handle:
@@ -81,7 +102,7 @@ class Comm:
     # The counters only count real traffic: an axis of size 1 moves nothing.
     def _count(self, op: str, axis, elements: int, t: torch.Tensor) -> None:
         if axis.size > 1:
-            self.stats.add(op, elements, t.element_size())
+            self.stats.add(op, elements, t.element_size(), getattr(axis, "name", "world"))
 
     def all_reduce(self, tensor: torch.Tensor, axis, op=ReduceOp.SUM, async_op: bool = False) -> Handle:
         """In-place all-reduce of ``tensor`` over ``axis`` (counted as 2Ψ)."""

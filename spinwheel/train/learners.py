@@ -59,6 +59,7 @@ class Learner(Protocol):
     def train_step(self, batch: Batch, loss_fn: LossFn, lr: float, *, entropy: bool = False) -> StepResult: ...
     def forward(self, batch: Batch, *, entropy: bool = False) -> dict[str, torch.Tensor]: ...
     def sync_engine_model(self) -> None: ...
+    def comm_metrics(self) -> dict[str, int]: ...
     def load(self, ckpt_dir: Path, state: dict[str, Any] | None) -> None: ...
     def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None: ...
 
@@ -118,6 +119,9 @@ class LocalLearner:
 
     def sync_engine_model(self) -> None:
         pass
+
+    def comm_metrics(self) -> dict[str, int]:
+        return {}  # one process: no collectives
 
     def load(self, ckpt_dir: Path, state: dict[str, Any] | None = None) -> None:
         """Restore optimizer and RNG state from ``trainer_state.pt``'s dict (weights come with the model)."""
@@ -199,6 +203,11 @@ class ParallelLearner:
         full = self.trainer.full_state_dict()
         if self.engine_model is not None:
             self.engine_model.load_state_dict(full)
+
+    def comm_metrics(self) -> dict[str, int]:
+        """This rank's cumulative collective counters per axis (``comm/tp/all_reduce/bytes``, ...); loops log the
+        difference over a step (:func:`~spinwheel.parallel.comm.metrics_since`)."""
+        return self.dims.comm.stats.metrics()
 
     def load(self, ckpt_dir: Path, state: dict[str, Any] | None = None) -> None:
         shards = ckpt_dir / SHARDED_DIR

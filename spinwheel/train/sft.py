@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
+from spinwheel.parallel.comm import metrics_since
 from spinwheel.parallel.trainer import nll_loss
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.evaluation import Generate, engine_generate, heldout_eval, plain_generate
@@ -214,6 +215,7 @@ def run_sft(
             )
             batch = {k: v.to(config.device) for k, v in batch.items()}
             lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
+            comm_before = learner.comm_metrics()
             out = learner.train_step(trainer_batch(batch), nll_loss, lr)
             tokens += float(batch["loss_mask"].sum())
             losses.append(out.loss)
@@ -224,6 +226,7 @@ def run_sft(
                     "lr": lr,
                     "grad_norm": out.grad_norm,
                     "completion_tokens_per_s": tokens / (time.perf_counter() - t0),
+                    **metrics_since(learner.comm_metrics(), comm_before),  # the step's collectives (torchrun)
                 }
             )
             bar.set_postfix(loss=f"{out.loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # drawn at mininterval

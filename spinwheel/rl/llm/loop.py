@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
+from spinwheel.parallel.comm import metrics_since
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch, LossFn
 from spinwheel.rl.llm.build import load_prompts, make_algorithm
@@ -170,6 +171,7 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     with StopOnSignal(learner.distributed) as stop:
         for step in bar:
             t = {"start": time.perf_counter()}
+            comm_before = learner.comm_metrics()
             idx = batch_indices(step, config.prompts_per_step, len(train_prompts), config.seed)
             rollout = generate_rollout(
                 llm,
@@ -234,6 +236,7 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
             record.update({f"time/{p}": t[p] - t[q] for p, q in zip(phases, prev)})
             record["tokens_per_s"] = float(mask.sum()) / (t["sync"] - t["start"])
             record["engine_copy_mb"] = engine_copy_mb
+            record.update(metrics_since(learner.comm_metrics(), comm_before))  # log-probs, updates, weight sync
             log(record)
             history.append(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", refresh=False)
