@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from spinwheel.models.transformer import Transformer
+from spinwheel.parallel.comm import metrics_since
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.trainer import Batch, LossFn
 from spinwheel.rl.llm.pref_config import PreferenceConfig
@@ -123,6 +124,7 @@ def train_loop(
         for step in bar:
             batch = build([pairs[i] for i in batch_indices(step, config.batch_size, len(pairs), config.seed)])
             lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
+            comm_before = learner.comm_metrics()
             out = learner.train_step(batch, loss_fn, lr)
             record = {
                 "step": step + 1,
@@ -131,6 +133,7 @@ def train_loop(
                 "lr": lr,
                 "grad_norm": out.grad_norm,
                 "pairs_per_s": (len(history) + 1) * config.batch_size / (time.perf_counter() - t0),
+                **metrics_since(learner.comm_metrics(), comm_before),  # the step's collectives (torchrun)
             }
             log(record)
             history.append(record)
