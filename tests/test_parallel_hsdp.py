@@ -62,18 +62,22 @@ def _instrument(trainer: ParallelTrainer, log: list) -> None:
 
 def measure(rank: int, world_size: int) -> dict:
     out = {}
-    layouts = {"fp32": dict(hsdp=2), "bf16": dict(hsdp=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32")}
+    layouts = {
+        "fp32": dict(hsdp=2),
+        "bf16": dict(hsdp=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32"),
+        "fp32-cb": dict(hsdp=2, fsdp_buffer_mb=0.01),  # constant-size buffers: several collectives per unit
+    }
     for name, kwargs in layouts.items():
         config = preset_config("test", VOCAB, num_hidden_layers=LAYERS)
         model = Transformer(config).init_weights(seed=0)
         trainer = ParallelTrainer(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ParallelConfig(**kwargs))
-        trainer.step(*_batch())  # warm up; then log one step
+        losses = [trainer.step(*_batch())]  # warm up; then log one step
         log: list = []
         _instrument(trainer, log)
         trainer.dims.comm.stats.reset()
-        trainer.step(*_batch())
+        losses.append(trainer.step(*_batch()))
         units = [u.padded_numel for u in trainer.pm.module.units]
-        out[name] = dict(log=log, units=units, stats=dict(trainer.dims.comm.stats.elements))
+        out[name] = dict(log=log, units=units, stats=dict(trainer.dims.comm.stats.elements), losses=losses)
     return out
 
 
@@ -101,7 +105,7 @@ def test_replica_all_reduce_overlaps_the_next_units_backward(measured):
         assert len(waits) == LAYERS + 1 and min(waits) > position["backward", 0]  # waited at the end of backward
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp32-cb"])
 def test_hsdp_volume_on_both_axes_matches_formula(measured, name):
     shard_size = 2
     for rank_result in measured:
@@ -122,3 +126,10 @@ def test_hsdp_volume_on_both_axes_matches_formula(measured, name):
         assert got == want
         # The comm counters (per operation) agree with the per-axis log.
         assert m["stats"] == {op: elements for (op, _), (elements, _) in want.items()}
+
+
+def test_hsdp_with_constant_buffers_trains_like_without(measured):
+    for rank_result in measured:
+        assert rank_result["fp32-cb"]["losses"] == rank_result["fp32"]["losses"]  # sums of two: exact
+        calls = sum(1 for e in rank_result["fp32-cb"]["log"] if e[0] == "all_reduce")
+        assert calls > LAYERS + 1  # each unit's shard all-reduced in pieces
