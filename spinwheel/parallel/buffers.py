@@ -119,14 +119,15 @@ class CommBuffers:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def _stage(
-        self, ring: str, n: int, dtype: torch.dtype, large: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
-        """Small (n,) and, when ``large``, large (N·n,) staging: ring slots under CB, temporaries otherwise."""
+        self, ring: str, n: int, dtype: torch.dtype, small: bool, large: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
+        """Small (n,) and large (N·n,) staging, each when asked: ring slots under CB, temporaries otherwise."""
         if ring in self.rings:
             r = self.rings[ring]
             i = r.acquire()
             return r.small[i][:n], r.large[i][: self.axis.size * n], i
-        return self._temp(n, dtype), self._temp(self.axis.size * n, dtype) if large else None, None
+        s = self._temp(n, dtype) if small else None
+        return s, self._temp(self.axis.size * n, dtype) if large else None, None
 
     def _occupy(self, ring: str, slot: int | None, op: PendingOp) -> None:
         if slot is not None:
@@ -144,7 +145,7 @@ class CommBuffers:
                 op = PendingOp(self.comm.all_gather(full, src, self.axis, async_op=True))
                 ops.append(op)
                 continue
-            small, large, slot = self._stage("gather", n, full.dtype, large=not whole)
+            small, large, slot = self._stage("gather", n, full.dtype, small=True, large=not whole)
             small.copy_(src)
             recv = full if whole else large
             finish = None if whole else _copy_columns(full.view(size, s), lo, hi, large)
@@ -159,16 +160,24 @@ class CommBuffers:
         shard_size: int,
         finish: Callable[[int, int, torch.Tensor], None],
         replicate_axis: Axis | None = None,
+        out: torch.Tensor | None = None,
     ) -> list[PendingOp]:
         """Start summing ``grad`` (N·s,) over the shard axis (then over ``replicate_axis``, HSDP) in the reduce dtype,
-        piece by piece; ``finish(lo, hi, reduced)`` receives each reduced piece (n,) of this rank's shard."""
+        piece by piece; ``finish(lo, hi, reduced)`` receives each reduced piece (n,) of this rank's shard. ``out``
+        (s,), if given in the reduce dtype, receives a one-piece result directly (no staging)."""
         s, size, dtype = shard_size, self.axis.size, self.reduce_dtype
         ops = []
         for lo, hi in self.pieces(s, dtype):
             n, whole = hi - lo, (lo, hi) == (0, s)
-            direct = whole and grad.dtype == dtype
-            small, large, slot = self._stage("reduce", n, dtype, large=not direct)
-            if direct:
+            direct_in = whole and grad.dtype == dtype
+            direct_out = whole and out is not None and out.dtype == dtype
+            slot = None
+            if direct_in and direct_out:
+                small, large = out, None
+            else:
+                small, large, slot = self._stage("reduce", n, dtype, small=not direct_out, large=not direct_in)
+                small = out if direct_out else small
+            if direct_in:
                 send = grad
             else:
                 large.view(size, n).copy_(grad.view(size, s)[:, lo:hi])

@@ -192,7 +192,8 @@ class FullyShardedDataParallel(nn.Module):
             full.grad = None
             self._reduced.add(i)
             finish = self._make_accumulate(i)
-            self._pending += self.buffers.reduce_scatter(grad, unit.shard_size, finish, self.replicate_axis)
+            out = self.grads.views[i] if unit.shard.grad is None else None  # nothing to accumulate: reduce in place
+            self._pending += self.buffers.reduce_scatter(grad, unit.shard_size, finish, self.replicate_axis, out)
             unit.reshard()
 
         return hook
@@ -204,6 +205,8 @@ class FullyShardedDataParallel(nn.Module):
 
         def finish(lo: int, hi: int, reduced: torch.Tensor) -> None:
             reduced.div_(self.dp_size)
+            if reduced.data_ptr() == view[lo:hi].data_ptr():  # reduced straight into the gradient buffer
+                return
             if unit.shard.grad is None:
                 view[lo:hi].copy_(reduced)
             else:
