@@ -1,4 +1,4 @@
-"""Constant-size buffers (CB) and contiguous gradients (MD) for FSDP / ZeRO-3 (ZeRO-R, §6.3–6.4).
+"""Constant-size buffers (CB) and contiguous gradients (MD) for FSDP / ZeRO-3 (ZeRO-R, the ZeRO paper §6).
 
 * every all-gather and reduce-scatter moves at most B = ``--fsdp-buffer-mb`` bytes; a unit of shard size s is
   ⌈s / n⌉ collectives with n = B / (N · element size), counted per step;

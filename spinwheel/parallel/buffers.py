@@ -1,6 +1,6 @@
 """Constant-size communication buffers (CB) and contiguous gradient memory (MD) for FSDP / ZeRO-3 — ZeRO-R's two
 memory optimisations (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", §6.3 and §6.4).
+Models", §6, ZeRO-R).
 
 **CB.** A unit's flat parameter (N·s,) is laid out rank-major: rank r's shard is elements [r·s, (r+1)·s). With a
 buffer of B bytes, every all-gather and reduce-scatter of a unit is issued in *pieces* [lo, hi) of the shard
@@ -13,12 +13,14 @@ than B bytes whatever the model size:
   staging (N·n,), reduce-scattered into the small staging (n,), and handed to the caller's ``finish``.
 
 The staging buffers are a ring of ``num_slots`` slots per direction, allocated once; a piece that needs a busy slot
-first waits for the collective that holds it (double buffering: one piece in flight while the next is staged). A
-unit that fits one piece needs no copy-out: it gathers straight into ``full`` (and reduce-scatters straight from the
-gradient when no cast is needed). Without a buffer size (CB off) every unit is one piece and the casts use
+first waits for the collective that holds it (double buffering: one piece in flight while the next is staged), so
+at most ``num_slots`` pieces are in flight and a prefetch of a unit of more pieces waits for its earlier ones — the
+price of constant memory. A unit that fits one piece needs no copy-out: it gathers straight into ``full``, and
+reduce-scatters straight from the gradient when no cast is needed, into the gradient buffer when nothing accumulates
+there. Without a buffer size (CB off) every unit is one piece and the casts use
 temporaries allocated per call — :attr:`CommBuffers.allocations` counts both kinds, so a test sees the difference.
 
-**MD.** :class:`GradBuffer` holds every unit's reduced shard gradient (fp32, Σ s) in one contiguous tensor allocated
+**MD.** :class:`GradBuffer` holds every unit's reduced shard gradient (master dtype, Σ s) in one contiguous tensor allocated
 at construction; ``unit.shard.grad`` are views into it, the same storage every step.
 """
 
