@@ -173,3 +173,22 @@ def test_mixed_precision_bytes_match_formula(results, name):
     assert got["gathered"] == pytest.approx(want["gathered"], rel=0.05), (got["gathered"], want)
     total = sum(got["mem"].values()) + got["gathered"]
     assert total == pytest.approx(want["total"], rel=0.05)
+
+
+def resume(rank: int, world_size: int, path: str) -> tuple[list[float], list[float]]:
+    """Losses of an uninterrupted run and of one saved after two steps and resumed in a new trainer."""
+    config = dict(fsdp=True, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32", fsdp_buffer_mb=0.01)
+    whole = ParallelTrainer(make_model(), optimizer_factory, ParallelConfig(**config))
+    uninterrupted = [whole.step(*b) for b in batches()]
+    first = ParallelTrainer(make_model(), optimizer_factory, ParallelConfig(**config))
+    halves = [first.step(*b) for b in batches()[:2]]
+    first.save(path)
+    second = ParallelTrainer(make_model(), optimizer_factory, ParallelConfig(**config))
+    second.load(path)
+    halves += [second.step(*b) for b in batches()[2:]]
+    return uninterrupted, halves
+
+
+def test_mixed_precision_resumes_from_sharded_masters(tmp_path):
+    for uninterrupted, halves in spawn(resume, 2, args=(str(tmp_path),), timeout_s=240):
+        assert halves == uninterrupted  # the fp32 masters and Adam moments are the whole training state
