@@ -51,8 +51,13 @@ def batches():
     return out
 
 
-def reference(dp: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype, tied: bool = False):
-    """Single-process training under the policy; ``dp`` row slices stand for the data-parallel ranks."""
+def reference(
+    dp: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype, tied: bool = False, shard: int | None = None
+):
+    """Single-process training under the policy; ``dp`` row slices stand for the data-parallel ranks, their
+    gradients summed within groups of ``shard`` consecutive ranks first (HSDP's reduce-scatter), then across the
+    groups (its replica all-reduce)."""
+    shard = shard or dp
     master = make_model(tied)
     opt = optimizer_factory(list(master.parameters()))
     losses = []
@@ -62,7 +67,7 @@ def reference(dp: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype, tied
         params = list(compute.parameters())
         for p in params:
             p.data = p.data.to(param_dtype)
-        total, summed = 0.0, None
+        total, summed, group = 0.0, None, None
         rows = BATCH // dp
         for r in range(dp):
             sl = slice(r * rows, (r + 1) * rows)
@@ -70,7 +75,10 @@ def reference(dp: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype, tied
             ce = F.cross_entropy(logits.float().flatten(0, 1), labels[sl].flatten(), reduction="none")
             loss = (ce * weights[sl].flatten()).sum() * dp  # the trainer scales by dp, the reduction divides
             grads = [g.to(reduce_dtype) for g in torch.autograd.grad(loss, params)]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+            group = grads if group is None else [a + b for a, b in zip(group, grads)]
+            if (r + 1) % shard == 0:
+                summed = group if summed is None else [a + b for a, b in zip(summed, group)]
+                group = None
             total += loss.item() / dp
         for p, g in zip(master.parameters(), summed):
             p.grad = g.div_(dp).to(p.dtype)
@@ -132,6 +140,19 @@ def refs():
             out[dp, name] = reference(dp, *_policy(name), tied=kwargs.get("tied", False))
     out["fp32"] = reference(1, torch.float32, torch.float32)
     return out
+
+
+HSDP_LAYOUTS = [
+    ("hsdp-bf16-fp32reduce", dict(hsdp=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32")),
+    ("hsdp-bf16-bf16reduce-cb", dict(hsdp=2, fsdp_param_dtype="bf16", fsdp_buffer_mb=0.01)),
+]
+
+
+def test_hsdp_mixed_precision_matches_single_process_policy():
+    refs = {name: reference(4, *_policy(name), shard=2) for name, _ in HSDP_LAYOUTS}
+    for res in spawn(run, 4, args=(HSDP_LAYOUTS, refs), timeout_s=300):
+        for name, _ in HSDP_LAYOUTS:
+            assert res[name]["loss_err"] < 1e-6 and res[name]["param_err"] < 1e-6, (name, res[name])
 
 
 @pytest.fixture(scope="module")
