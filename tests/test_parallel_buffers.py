@@ -180,3 +180,20 @@ def test_buffer_and_precision_options_need_a_fully_sharded_layout():
     policy = ParallelConfig(zero=3, fsdp_param_dtype="bf16").mixed_precision()
     assert policy.compute_dtype(torch.float32) == policy.comm_dtype(torch.float32) == torch.bfloat16
     assert ParallelConfig(fsdp=True).mixed_precision() is None
+
+
+# Constant-size buffers inside the composed layouts, against single-process training (the fidelity suite's oracle).
+CB_LAYOUTS_4 = [
+    ("zero3-dp4-cb", dict(zero=3, fsdp_buffer_mb=0.005)),
+    ("hsdp-2x2-cb-remat-clip", dict(hsdp=2, remat=True, clip=True, fsdp_buffer_mb=0.005)),
+    ("dp2xtp2-fsdp-tied-cb", dict(dp=2, tp=2, fsdp=True, tied=True, fsdp_buffer_mb=0.005)),
+    ("dp2xpp2-fsdp-cb", dict(dp=2, pp=2, fsdp=True, microbatches=2, fsdp_buffer_mb=0.005)),
+    ("fsdp-dp4-accum-cb", dict(fsdp=True, microbatches=2, fsdp_buffer_mb=0.005)),
+]
+
+
+def test_cb_layouts_match_single_process():
+    from test_parallel_fidelity import _check, reference, run_layouts
+
+    refs = {(tied, clip): reference(tied, clip) for tied in (False, True) for clip in (False, True)}
+    _check(spawn(run_layouts, 4, args=(CB_LAYOUTS_4, refs), timeout_s=300), CB_LAYOUTS_4)
