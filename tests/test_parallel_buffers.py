@@ -197,3 +197,27 @@ def test_cb_layouts_match_single_process():
 
     refs = {(tied, clip): reference(tied, clip) for tied in (False, True) for clip in (False, True)}
     _check(spawn(run_layouts, 4, args=(CB_LAYOUTS_4, refs), timeout_s=300), CB_LAYOUTS_4)
+
+
+def zero2_grads(rank: int, world_size: int) -> list[list[tuple[int, int]]]:
+    config = preset_config("test", VOCAB, num_hidden_layers=3)
+    trainer = ParallelTrainer(
+        Transformer(config).init_weights(seed=0),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        ParallelConfig(zero=2, bucket_mb=0.01),
+    )
+    module, out = trainer.pm.module, []
+    for b in _batches():
+        trainer.forward_backward(*b)
+        trainer.optimizer.step()
+        out.append([(_storage(bk.shard_grad), bk.shard_grad.data_ptr()) for bk in module.buckets])
+        out[-1].append((_storage(module.grads.flat), len(module.buckets)))
+        trainer.optimizer.zero_grad()
+    return out
+
+
+def test_zero2_reduced_gradients_live_in_one_contiguous_buffer():
+    for steps in spawn(zero2_grads, 2, timeout_s=120):
+        *views, (flat, num_buckets) = steps[0]
+        assert num_buckets > 1 and {storage for storage, _ in views} == {flat}
+        assert all(step == steps[0] for step in steps)  # the same views every step
