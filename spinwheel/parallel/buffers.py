@@ -13,15 +13,15 @@ than B bytes whatever the model size:
   staging (N·n,), reduce-scattered into the small staging (n,), and handed to the caller's ``finish``.
 
 The staging buffers are a ring of ``num_slots`` slots per direction, allocated once; a piece that needs a busy slot
-first waits for the collective that holds it (double buffering: one piece in flight while the next is staged), so
-at most ``num_slots`` pieces are in flight and a prefetch of a unit of more pieces waits for its earlier ones — the
+first waits for the collective that holds it (double buffering: one piece in flight while the next is staged), so at
+most ``num_slots`` pieces are in flight and a prefetch of a unit of more pieces waits for its earlier ones — the
 price of constant memory. A unit that fits one piece needs no copy-out: it gathers straight into ``full``, and
 reduce-scatters straight from the gradient when no cast is needed, into the gradient buffer when nothing accumulates
-there. Without a buffer size (CB off) every unit is one piece and the casts use
-temporaries allocated per call — :attr:`CommBuffers.allocations` counts both kinds, so a test sees the difference.
+there. Without a buffer size (CB off) every unit is one piece and the casts use temporaries allocated per call —
+:attr:`CommBuffers.allocations` counts both kinds, so a test sees the difference.
 
-**MD.** :class:`GradBuffer` holds every unit's reduced shard gradient (master dtype, Σ s) in one contiguous tensor allocated
-at construction; ``unit.shard.grad`` are views into it, the same storage every step.
+**MD.** :class:`GradBuffer` holds every unit's reduced shard gradient (master dtype, Σ s) in one contiguous tensor
+allocated at construction; ``unit.shard.grad`` are views into it, the same storage every step.
 """
 
 from __future__ import annotations

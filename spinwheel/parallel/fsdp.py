@@ -18,9 +18,9 @@ of its flat buffer:
 **Hybrid sharding (HSDP)**: shard within groups of size F (``dp_shard``), then all-reduce the reduced shard across
 the ``dp_replicate`` groups. The post-backward hook of unit i waits for its reduce-scatter and *launches* that
 all-reduce asynchronously, so it runs during the backward of unit i − 1 (under NCCL that wait only orders the
-streams; under gloo it blocks for the reduce-scatter); every handle is waited at the end of backward. Volume per step and rank, Ψ the padded parameter count: all-gather 2Ψ and reduce-scatter Ψ on the shard
-axis (ZeRO-3's 3Ψ), all-reduce 2·Ψ/F on the replicate axis. Gradients are averaged over the whole data-parallel
-degree.
+streams; under gloo it blocks for the reduce-scatter); every handle is waited at the end of backward. Volume per
+step and rank, Ψ the padded parameter count: all-gather 2Ψ and reduce-scatter Ψ on the shard axis (ZeRO-3's 3Ψ),
+all-reduce 2·Ψ/F on the replicate axis. Gradients are averaged over the whole data-parallel degree.
 
 **Mixed precision** (:class:`~spinwheel.parallel.mixed_precision.MixedPrecisionPolicy`): fp32 shards are the
 masters; units are gathered in the compute dtype and gradients reduced in the reduce dtype. **Constant-size
