@@ -9,6 +9,7 @@ from typing import Literal
 from spinwheel.config import option
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
+from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy, parse_dtype
 
 
 def check_data_parallel(zero: int, fsdp: bool) -> None:
@@ -44,6 +45,19 @@ class ParallelConfig:
     schedule: Literal["gpipe", "1f1b"] = option("1f1b", help="pipeline schedule")
     remat: bool = option(False, help="re-materialise (checkpoint) each block's activations in backward")
     bucket_mb: float = option(25.0, help="gradient bucket size cap in MiB (DDP, ZeRO-1/2)")
+    fsdp_param_dtype: Literal["bf16", "fp16", "fp32"] | None = option(
+        None,
+        help="FSDP/ZeRO-3 mixed precision: gather the fp32 master shards in this dtype for forward and backward "
+        "(unset: the model's dtype)",
+    )
+    fsdp_reduce_dtype: Literal["bf16", "fp16", "fp32"] | None = option(
+        None, help="dtype of the FSDP/ZeRO-3 gradient reduce-scatter and HSDP all-reduce (unset: --fsdp-param-dtype)"
+    )
+    fsdp_buffer_mb: float = option(
+        0.0,
+        help="constant-size buffers: FSDP/ZeRO-3 all-gathers and reduce-scatters run in pieces through fixed "
+        "staging buffers of this many MiB, whatever the model size (0 = one collective per unit)",
+    )
     timeout_s: float = option(600.0, help="collective timeout in seconds: a dead rank fails the job after this")
 
     def __post_init__(self) -> None:
@@ -57,8 +71,21 @@ class ParallelConfig:
         if self.hsdp:
             self.fsdp = True
         check_data_parallel(self.zero, self.fsdp)
+        if self.fsdp_buffer_mb < 0:
+            raise ParallelError(f"--fsdp-buffer-mb must be ≥ 0, got {self.fsdp_buffer_mb}")
+        sharded = self.fsdp or self.zero == 3
+        for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_buffer_mb"):
+            if getattr(self, name) and not sharded:
+                flag = "--" + name.replace("_", "-")
+                raise ParallelError(f"{flag} applies to fully sharded layouts: add --fsdp, --hsdp F or --zero 3")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ParallelError(f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
+
+    def mixed_precision(self) -> MixedPrecisionPolicy | None:
+        """The FSDP/ZeRO-3 mixed-precision policy these options ask for (None: parameters' own dtype throughout)."""
+        if self.fsdp_param_dtype is None and self.fsdp_reduce_dtype is None:
+            return None
+        return MixedPrecisionPolicy(parse_dtype(self.fsdp_param_dtype), parse_dtype(self.fsdp_reduce_dtype))
 
     def make_dims(self) -> ParallelDims:
         """Build the rank grid (and process groups) for this layout from the initialised world."""

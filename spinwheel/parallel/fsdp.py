@@ -3,121 +3,50 @@ Parallel"), which is also ZeRO stage 3.
 
 The model is cut into *units* — by default one per transformer block plus a root unit holding what is left (the
 embedding, final norm and head, tied weights once). Each unit's parameters are flattened into one padded vector and
-sharded over the ``dp_shard`` axis; the optimizer sees only the shards (``FlatParamUnit.shard``). The original
-parameters are removed from their modules and, while a unit is gathered, replaced by views of its flat buffer:
+sharded over the ``dp_shard`` axis (:class:`~spinwheel.parallel.flat_param.FlatParamUnit`); the optimizer sees only
+the shards. The original parameters are removed from their modules and, while a unit is gathered, replaced by views
+of its flat buffer:
 
 * **pre-forward** (module hook): wait for the unit's all-gather (start it if no prefetch did), set the views, and
   start the next unit's all-gather (forward prefetch), so it overlaps this unit's compute;
 * **post-forward**: free the flat buffer (its storage is resized to 0; the views autograd saved keep pointing at
   it) and hook the output's gradient;
 * **pre-backward** (the output's gradient hook): all-gather again into the same storage, prefetch the previous unit;
-* **post-backward** (post-accumulate-grad hook of the flat buffer): reduce-scatter its gradient into the shard's
-  gradient asynchronously, free buffer and gradient.
+* **post-backward** (post-accumulate-grad hook of the flat buffer): reduce-scatter its gradient asynchronously, free
+  the buffer; the reduced shard lands in the unit's view of one contiguous gradient buffer (MD).
 
-Hybrid sharding (HSDP): shard within groups of size F (``dp_shard``), then all-reduce the reduced shard gradients
-across the ``dp_replicate`` groups. Volume per step: 2 all-gathers + 1 reduce-scatter = 3Ψ (ZeRO-3's 1.5× DDP).
-Gradients are averaged over the whole data-parallel degree. Parameters keep the model's dtype (no mixed precision
-here; ZeRO-1/2 carry the bf16 + fp32-master path).
+**Hybrid sharding (HSDP)**: shard within groups of size F (``dp_shard``), then all-reduce the reduced shard across
+the ``dp_replicate`` groups. The post-backward hook of unit i waits for its reduce-scatter and *launches* that
+all-reduce asynchronously, so it runs during the backward of unit i − 1 (under NCCL that wait only orders the
+streams; under gloo it blocks for the reduce-scatter); every handle is waited at the end of backward. Volume per
+step and rank, Ψ the padded parameter count: all-gather 2Ψ and reduce-scatter Ψ on the shard axis (ZeRO-3's 3Ψ),
+all-reduce 2·Ψ/F on the replicate axis. Gradients are averaged over the whole data-parallel degree.
+
+**Mixed precision** (:class:`~spinwheel.parallel.mixed_precision.MixedPrecisionPolicy`): fp32 shards are the
+masters; units are gathered in the compute dtype and gradients reduced in the reduce dtype. **Constant-size
+buffers** (``buffer_mb``): gathers and reduce-scatters run in pieces through a fixed staging ring
+(:class:`~spinwheel.parallel.buffers.CommBuffers`).
 
 Activation re-materialisation composes: recomputation runs inside backward, after the unit's pre-backward gather.
 """
 
 from __future__ import annotations
 
-import enum
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from spinwheel.parallel.comm import Comm, Handle
+from spinwheel.parallel.buffers import CommBuffers, GradBuffer, PendingOp
+from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.ddp import broadcast_module
+from spinwheel.parallel.flat_param import FlatParamUnit, UnitState
 from spinwheel.parallel.mesh import Axis
+from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
-class FlatParamUnit:
-    """One FSDP unit: the parameters of ``module`` (not inside another unit), flattened and sharded."""
-
-    def __init__(
-        self, name: str, refs: list[tuple[str, nn.Module, str, nn.Parameter]], shard_axis: Axis, comm: Comm
-    ) -> None:
-        self.name = name
-        self.axis, self.comm = shard_axis, comm
-        self.refs: list[tuple[str, nn.Module, str, int]] = []  # (full name, owner module, attribute, param index)
-        self.params: list[nn.Parameter] = []
-        index: dict[int, int] = {}
-        for full_name, owner, attr, p in refs:
-            if id(p) not in index:
-                index[id(p)] = len(self.params)
-                self.params.append(p)
-            self.refs.append((full_name, owner, attr, index[id(p)]))
-        self.shapes = [p.shape for p in self.params]
-        self.sizes = [p.numel() for p in self.params]
-        numel = sum(self.sizes)
-        self.shard_size = -(-numel // shard_axis.size)
-        padded = self.shard_size * shard_axis.size
-        self.split_sizes = self.sizes + [padded - numel]
-        dtype, device = self.params[0].dtype, self.params[0].device
-        flat = torch.cat(
-            [p.detach().reshape(-1) for p in self.params] + [torch.zeros(padded - numel, dtype=dtype, device=device)]
-        )
-        r = shard_axis.rank
-        self.shard = nn.Parameter(flat[r * self.shard_size : (r + 1) * self.shard_size].clone())  # (s,)
-        # The gathered flat buffer is an autograd leaf whose storage comes and goes.
-        self.full = flat.requires_grad_(True)  # (N·s,)
-        self.nbytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
-        self.state = UnitState.SHARDED
-        self.handle: Handle | None = None
-        for _, owner, attr, _ in self.refs:
-            owner._parameters.pop(attr, None)  # the module now reads a plain tensor attribute
-        self.params = []  # drop the unsharded originals
-
-    # -- parameters ----------------------------------------------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> None:
-        if self.state is UnitState.SHARDED:
-            self.full.untyped_storage().resize_(self.nbytes)
-            self.handle = self.comm.all_gather(self.full.data, self.shard.data, self.axis, async_op=True)
-            self.state = UnitState.GATHERING
-        if not async_op and self.state is UnitState.GATHERING:
-            self.handle.wait()
-            self.handle = None
-            self.state = UnitState.GATHERED
-
-    def set_views(self) -> None:
-        # split's backward concatenates the gradients into one flat tensor (one allocation, not one per parameter).
-        pieces = torch.split(self.full, self.split_sizes)
-        views = [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
-        for _, owner, attr, i in self.refs:
-            setattr(owner, attr, views[i])
-
-    def reshard(self) -> None:
-        if self.state is UnitState.GATHERING:
-            self.handle.wait()
-            self.handle = None
-        if self.state is not UnitState.SHARDED:
-            self.full.untyped_storage().resize_(0)
-            self.state = UnitState.SHARDED
-
-    def full_tensors(self) -> dict[str, torch.Tensor]:
-        """Gather and return copies of every parameter by full name (tied names each get the tensor)."""
-        was_sharded = self.state is UnitState.SHARDED
-        self.unshard()
-        pieces = torch.split(self.full.detach(), self.split_sizes)
-        out = {name: pieces[i].view(self.shapes[i]).clone() for name, _, _, i in self.refs}
-        if was_sharded:
-            self.reshard()
-        return out
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -126,6 +55,8 @@ class FullyShardedDataParallel(nn.Module):
     ``unit_modules``: submodules that become units (default: every block in ``module.layers``); the rest of the
     parameters form the root unit. ``prefetch`` overlaps the next unit's all-gather with compute; ``reshard_root``
     frees the root unit after forward too (ZeRO-3 accounting: every parameter gathered twice per step).
+    ``mixed_precision``: compute and reduce dtypes (default: the parameters' own); ``buffer_mb``: constant-size
+    staging buffers for the collectives (None: one collective per unit).
     """
 
     def __init__(
@@ -139,6 +70,8 @@ class FullyShardedDataParallel(nn.Module):
         prefetch: bool = True,
         reshard_root: bool = True,
         broadcast: bool = True,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        buffer_mb: float | None = None,
     ) -> None:
         super().__init__()
         self.module, self.comm = module, comm
@@ -152,16 +85,25 @@ class FullyShardedDataParallel(nn.Module):
             unit_modules = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
         self.prefetch, self.reshard_root = prefetch, reshard_root
         self.dp_size = shard_axis.size * (replicate_axis.size if replicate_axis is not None else 1)
+        first = next(p for p in module.parameters() if p.requires_grad)
+        self.policy = mixed_precision or MixedPrecisionPolicy()
+        self.compute_dtype = self.policy.compute_dtype(first.dtype)
         self.units = self._build_units(unit_modules)  # forward order; the root unit is last
         self.root = self.units[-1]
         self.flat_shards = nn.ParameterList([u.shard for u in self.units])
-        self._pending: list[tuple[FlatParamUnit, torch.Tensor, torch.Tensor, Handle]] = []
+        self.buffers = CommBuffers(
+            shard_axis, comm, self.compute_dtype, self.policy.comm_dtype(first.dtype), first.device, buffer_mb
+        )
+        self.grads = GradBuffer([u.shard_size for u in self.units], first.dtype, first.device)
+        self.peak_gathered_bytes = 0  # the most compute-parameter bytes gathered at once so far
+        self._pending: list[PendingOp] = []
+        self._reduced: set[int] = set()  # units whose gradient this backward reduced
         self._callback_queued = False
         for i, (_unit, mod) in enumerate(zip(self.units[:-1], unit_modules)):
             mod.register_forward_pre_hook(self._make_pre_forward(i))
             mod.register_forward_hook(self._make_post_forward(i))
-        for unit in self.units:
-            unit.full.register_post_accumulate_grad_hook(self._make_post_backward(unit))
+        for i, unit in enumerate(self.units):
+            unit.full.register_post_accumulate_grad_hook(self._make_post_backward(i))
 
     def _build_units(self, unit_modules: list[nn.Module]) -> list[FlatParamUnit]:
         owner_of = {id(m): i for i, m in enumerate(unit_modules)}
@@ -182,15 +124,21 @@ class FullyShardedDataParallel(nn.Module):
         for i, r in enumerate(refs):
             if not r:
                 raise ValueError(f"FSDP unit {i} has no trainable parameters")
-            units.append(FlatParamUnit("root" if i == len(unit_modules) else f"unit{i}", r, self.shard_axis, self.comm))
+            name = "root" if i == len(unit_modules) else f"unit{i}"
+            units.append(FlatParamUnit(name, r, self.shard_axis, self.compute_dtype))
         return units
 
     # -- hooks ---------------------------------------------------------------------------------------------------
+    def _unshard(self, i: int, async_op: bool = False) -> None:
+        self.units[i].unshard(self.buffers, async_op)
+        gathered = sum(u.nbytes for u in self.units if u.state is not UnitState.SHARDED)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
+
     def forward(self, *args, **kwargs):
-        self.root.unshard()
+        self._unshard(len(self.units) - 1)
         self.root.set_views()
         if self.prefetch and len(self.units) > 1:
-            self.units[0].unshard(async_op=True)
+            self._unshard(0, async_op=True)
         out = self.module(*args, **kwargs)
         self._hook_output(out, len(self.units) - 1)
         if self.reshard_root:
@@ -199,11 +147,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def _make_pre_forward(self, i: int):
         def hook(module, args):
-            unit = self.units[i]
-            unit.unshard()
-            unit.set_views()
+            self._unshard(i)
+            self.units[i].set_views()
             if self.prefetch and not _in_backward() and i + 1 < len(self.units) - 1:
-                self.units[i + 1].unshard(async_op=True)
+                self._unshard(i + 1, async_op=True)
 
         return hook
 
@@ -228,38 +175,53 @@ class FullyShardedDataParallel(nn.Module):
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self.units[i].unshard()
+            self._unshard(i)
             if self.prefetch:
                 prev = i - 1 if i < len(self.units) - 1 else len(self.units) - 2
                 if prev >= 0:
-                    self.units[prev].unshard(async_op=True)
+                    self._unshard(prev, async_op=True)
             return grad
 
         return hook
 
-    def _make_post_backward(self, unit: FlatParamUnit):
+    def _make_post_backward(self, i: int):
+        unit = self.units[i]
+
         def hook(full: torch.Tensor) -> None:
-            grad = full.grad  # (N·s,)
+            grad = full.grad  # (N·s,), compute dtype
             full.grad = None
-            out = torch.empty_like(unit.shard)
-            handle = self.comm.reduce_scatter(out, grad, self.shard_axis, async_op=True)
-            self._pending.append((unit, out, grad, handle))
+            self._reduced.add(i)
+            finish = self._make_accumulate(i)
+            out = self.grads.views[i] if unit.shard.grad is None else None  # nothing to accumulate: reduce in place
+            self._pending += self.buffers.reduce_scatter(grad, unit.shard_size, finish, self.replicate_axis, out)
             unit.reshard()
 
         return hook
 
+    def _make_accumulate(self, i: int):
+        """Average a reduced piece (n,) over the data-parallel degree (in the reduce dtype) and add it to the unit's
+        shard gradient, a view of the contiguous gradient buffer (the first piece of a step overwrites)."""
+        unit, view = self.units[i], self.grads.views[i]
+
+        def finish(lo: int, hi: int, reduced: torch.Tensor) -> None:
+            reduced.div_(self.dp_size)
+            if reduced.data_ptr() == view[lo:hi].data_ptr():  # reduced straight into the gradient buffer
+                return
+            if unit.shard.grad is None:
+                view[lo:hi].copy_(reduced)
+            else:
+                view[lo:hi].add_(reduced)
+
+        return finish
+
     def _finish_backward(self) -> None:
         self._callback_queued = False
-        for unit, out, _grad, handle in self._pending:
-            handle.wait()
-            if self.replicate_axis is not None and self.replicate_axis.size > 1:
-                self.comm.all_reduce(out, self.replicate_axis)
-            out.div_(self.dp_size)
-            if unit.shard.grad is None:
-                unit.shard.grad = out
-            else:
-                unit.shard.grad.add_(out)
+        for op in self._pending:
+            op.wait()
         self._pending.clear()
+        for i in self._reduced:  # a unit without a gradient keeps its shard's (None after zero_grad)
+            self.units[i].shard.grad = self.grads.views[i]
+        self._reduced.clear()
         for unit in self.units:
             unit.reshard()
 
@@ -268,13 +230,13 @@ class FullyShardedDataParallel(nn.Module):
         return factory(list(self.flat_shards))
 
     def memory_tensors(self):
-        return [u.shard for u in self.units], [u.shard.grad for u in self.units], []
+        return [u.shard for u in self.units], [self.grads.flat], []
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter, unsharded (collective over the shard axis), by its name inside the wrapped module."""
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            out.update(unit.full_tensors())
+            out.update(unit.full_tensors(self.buffers))
         return out
 
     @contextmanager

@@ -8,7 +8,8 @@
    and inside the data-parallel wrapper, whose hooks sit around the block's call);
 4. **data parallelism** — exactly one of DDP (``zero=0``), ZeRO-1/2 (``zero=1|2``), ZeRO-3 (``zero=3``: FSDP units,
    no prefetch), FSDP (``fsdp``) or HSDP (``hsdp=F``) over the ``dp`` axis; it wraps last because it owns the final
-   parameter storage (buckets, flat shards).
+   parameter storage (buckets, flat shards). The fully sharded ones take a mixed-precision policy and a
+   constant buffer size.
 
 The model (:class:`~spinwheel.models.transformer.Transformer`) knows none of this.
 """
@@ -23,6 +24,7 @@ from spinwheel.parallel.config import check_data_parallel
 from spinwheel.parallel.ddp import DistributedDataParallel
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
+from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage
 from spinwheel.parallel.remat import apply_remat
 from spinwheel.parallel.tensor import apply_tensor_parallel
@@ -54,8 +56,12 @@ def parallelize(
     remat: bool = False,
     bucket_mb: float = 25.0,
     schedule: str = "1f1b",
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    fsdp_buffer_mb: float | None = None,
 ) -> ParallelModel:
-    """Cut, shard and wrap ``model`` for the layout ``dims`` (see the module docstring for the order)."""
+    """Cut, shard and wrap ``model`` for the layout ``dims`` (see the module docstring for the order).
+
+    ``mixed_precision`` and ``fsdp_buffer_mb`` (constant-size buffers) apply to the fully sharded layouts."""
     dims.validate_model(model.config)
     comm = dims.comm
     dtype = next(model.parameters()).dtype
@@ -77,11 +83,19 @@ def parallelize(
         apply_remat(stage)
     if fsdp:
         module: nn.Module = FullyShardedDataParallel(
-            stage, dims.dp_shard_axis, comm, replicate_axis=dims.dp_replicate_axis, dp_axis=dims.dp_axis
+            stage,
+            dims.dp_shard_axis,
+            comm,
+            replicate_axis=dims.dp_replicate_axis,
+            dp_axis=dims.dp_axis,
+            mixed_precision=mixed_precision,
+            buffer_mb=fsdp_buffer_mb,
         )
         kind = "hsdp" if dims.dp_replicate > 1 else "fsdp"
     elif zero == 3:
-        module = FullyShardedDataParallel(stage, dims.dp_axis, comm, prefetch=False)
+        module = FullyShardedDataParallel(
+            stage, dims.dp_axis, comm, prefetch=False, mixed_precision=mixed_precision, buffer_mb=fsdp_buffer_mb
+        )
         kind = "zero3"
     elif zero in (1, 2):
         module = ZeroDataParallel(stage, dims.dp_axis, comm, stage=zero, bucket_mb=bucket_mb)

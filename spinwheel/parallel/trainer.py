@@ -90,6 +90,8 @@ class ParallelTrainer:
             remat=config.remat,
             bucket_mb=config.bucket_mb,
             schedule=config.schedule,
+            mixed_precision=config.mixed_precision(),
+            fsdp_buffer_mb=config.fsdp_buffer_mb or None,
         )
         self.optimizer = self.pm.module.make_optimizer(optimizer_factory) if optimizer_factory else None
         self.max_grad_norm = max_grad_norm

@@ -10,7 +10,9 @@ optimizer only sees these slices ("master" shards), so its states are partitione
   there), reduce-scatters it when the bucket is complete and keeps the reduced slice in this rank's own part of the
   buffer (so accumulate under ``no_sync`` and call ``zero_grad`` between steps);
 * stage 2 copies each gradient into a transient bucket buffer, reduce-scatters it as soon as the bucket is full and
-  frees it, so only the owned 1/N of the gradients persists.
+  frees it, so only the owned 1/N of the gradients persists — in one contiguous buffer allocated at construction
+  (ZeRO-R's memory defragmentation, :class:`~spinwheel.parallel.buffers.GradBuffer`), the first reduction of a step
+  landing there directly.
 
 Both overlap the reduce-scatter with backward (hooks, as in :mod:`spinwheel.parallel.ddp`); after the optimizer
 step every bucket is all-gathered. Volume per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, the same as DDP.
@@ -27,6 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from spinwheel.parallel.buffers import GradBuffer
 from spinwheel.parallel.comm import Comm, Handle
 from spinwheel.parallel.ddp import broadcast_module, make_buckets, unique_params
 from spinwheel.parallel.mesh import Axis
@@ -91,6 +94,8 @@ class ZeroDataParallel(nn.Module):
         if stage == 1:
             for bk in self.buckets:
                 bk.grad_buffer = torch.zeros_like(bk.flat)
+        flat = self.buckets[0].flat
+        self.grads = GradBuffer([bk.shard_size for bk in self.buckets], flat.dtype, flat.device) if stage == 2 else None
         self._sync = True
         self._reduced = False  # stage 1: gradients reduced since the last zero_grad
         self._callback_queued = False
@@ -140,7 +145,10 @@ class ZeroDataParallel(nn.Module):
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             bk = self.buckets[self._next_launch]
-            bk.scattered = torch.empty_like(bk.shard)
+            if self.grads is not None and bk.shard_grad is None:  # stage 2: reduce into the contiguous buffer
+                bk.scattered = self.grads.views[self._next_launch]
+            else:
+                bk.scattered = torch.empty_like(bk.shard)
             bk.handle = self.comm.reduce_scatter(bk.scattered, bk.grad_buffer, self.axis, async_op=True)
             self._next_launch += 1
 
