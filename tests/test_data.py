@@ -77,6 +77,14 @@ def test_rl_converts_integer_answers_to_text(tmp_path):
     assert read_rl_jsonl(path) == [RLRecord("3-15=", "-12"), RLRecord("1+1=", "2")]
 
 
+def test_rl_reads_messages_lines(tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    path = write_lines(
+        tmp_path, [json.dumps({"messages": chat, "answer": 4}), json.dumps({"prompt": "1+1=", "answer": "2"})]
+    )
+    assert read_rl_jsonl(path) == [RLRecord(None, "4", messages=chat), RLRecord("1+1=", "2")]
+
+
 def test_preferences_read(tmp_path):
     path = write_lines(tmp_path, [json.dumps({"prompt": "7*8=", "chosen": "56", "rejected": "54"})])
     assert read_preference_jsonl(path) == [PreferenceRecord("7*8=", "56", "54")]
@@ -182,8 +190,22 @@ def test_sft_malformed_line(tmp_path, line, message):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ('{"answer": "2"}', """missing field 'prompt' (expected {"prompt", "answer"})"""),
-        ('{"prompt": "1+1="}', """missing field 'answer' (expected {"prompt", "answer"})"""),
+        ('{"answer": "2"}', """missing field 'prompt' (expected {"prompt", "answer"} or {"messages", "answer"})"""),
+        ('{"prompt": "1+1="}', """missing field 'answer' (expected {"prompt", "answer"} or {"messages", "answer"})"""),
+        (
+            '{"messages": [{"role": "user", "content": "1+1="}], "prompt": "1+1=", "answer": "2"}',
+            "field 'prompt' given together with 'messages'; use one format "
+            '(expected {"prompt", "answer"} or {"messages", "answer"})',
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}], "answer": "2"}',
+            "field 'messages[1].role' must be 'user' (the last message is the turn the policy answers), "
+            "got 'assistant'",
+        ),
+        (
+            '{"messages": [], "answer": "2"}',
+            """field 'messages' must be a non-empty list of {"role", "content"}, got an empty list""",
+        ),
         ('{"prompt": 11, "answer": "2"}', "field 'prompt' must be a string, got int"),
         ('{"prompt": "1/2=", "answer": 0.5}', "field 'answer' must be a string or an integer, got float"),
         ('{"prompt": "1=1?", "answer": true}', "field 'answer' must be a string or an integer, got bool"),

@@ -132,6 +132,27 @@ def test_reward_functions_are_checked(tmp_path, monkeypatch):
             load_reward_fn(bad)
 
 
+def test_messages_lines_render_with_the_chat_template(tmp_path):
+    from spinwheel.models.tokenizer import load_tokenizer
+    from spinwheel.rl.llm.build import load_prompts
+    from spinwheel.tasks.data import DataError
+
+    chat = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+2="}]
+    data = tmp_path / "rl.jsonl"
+    data.write_text(json.dumps({"messages": chat, "answer": 4}) + "\n" + json.dumps({"prompt": "1+1=", "answer": 2}))
+    tok = load_tokenizer("test")
+    train, held_out = load_prompts(small_config(tmp_path, data=str(data)), tok)
+    by_answer = {p.answer: p for p in train + held_out}
+    rendered = "<bos><|system|>\nAdd.\n<|user|>\n2+2=\n<|assistant|>\n"
+    assert by_answer["4"].text == rendered
+    assert list(by_answer["4"].ids) == tok.encode(rendered, add_special_tokens=False)
+    assert by_answer["4"].ids.count(tok.bos_token_id) == 1  # the template's BOS only, not a second one
+    assert list(by_answer["2"].ids) == tok.encode("1+1=")  # plain prompts keep the tokenizer's BOS
+    tok.chat_template = None
+    with pytest.raises(DataError, match="'messages' lines need the checkpoint's chat template"):
+        load_prompts(small_config(tmp_path, data=str(data)), tok)
+
+
 def test_grpo_loop_one_process(tmp_path):
     result = train_rl(small_config(tmp_path, steps=3, eval_every=2))
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward_mean" in r]

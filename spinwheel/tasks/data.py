@@ -6,7 +6,8 @@ and fixed without reading the reader's code:
 
 - SFT:        ``{"prompt": str, "completion": str}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``
               (roles system / user / assistant; the last message is the assistant's reply to train on)
-- RL:         ``{"prompt": str, "answer": str | int}``
+- RL:         ``{"prompt": str, "answer": str | int}`` or ``{"messages": [...], "answer": ...}`` (the conversation so
+              far, ending with the user's turn; rendered with the checkpoint's chat template)
 - preference: ``{"prompt": str, "chosen": str, "rejected": str}``
 
 Small samples of each format ship in :data:`SAMPLES_DIR`.
@@ -54,8 +55,9 @@ class SFTRecord:
 class RLRecord:
     """One RL prompt with the verifiable answer its completions are rewarded against."""
 
-    prompt: str
+    prompt: str | None
     answer: str
+    messages: list[dict[str, str]] | None = None  # instead of prompt: rendered with the chat template
 
 
 @dataclass
@@ -110,7 +112,7 @@ def _string(where: str, obj: dict[str, Any], key: str, expected: str) -> str:
     return value
 
 
-def _messages(where: str, value: Any) -> list[dict[str, str]]:
+def _messages(where: str, value: Any, last_role: str = "assistant") -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         got = "an empty list" if isinstance(value, list) else _type_name(value)
         raise DataError(f'{where}: field \'messages\' must be a non-empty list of {{"role", "content"}}, got {got}')
@@ -124,10 +126,11 @@ def _messages(where: str, value: Any) -> list[dict[str, str]]:
         if role not in ROLES:
             raise DataError(f"{where}: field '{name}.role' must be one of {', '.join(ROLES)}, got {role!r}")
         messages.append({"role": role, "content": content})
-    if messages[-1]["role"] != "assistant":
+    if messages[-1]["role"] != last_role:
+        why = "the reply to train on" if last_role == "assistant" else "the turn the policy answers"
         raise DataError(
-            f"{where}: field 'messages[{len(messages) - 1}].role' must be 'assistant' "
-            f"(the last message is the reply to train on), got {messages[-1]['role']!r}"
+            f"{where}: field 'messages[{len(messages) - 1}].role' must be {last_role!r} "
+            f"(the last message is {why}), got {messages[-1]['role']!r}"
         )
     return messages
 
@@ -151,11 +154,18 @@ def read_sft_jsonl(path: str | os.PathLike[str]) -> list[SFTRecord]:
 
 
 def read_rl_jsonl(path: str | os.PathLike[str]) -> list[RLRecord]:
-    """RL records from ``{"prompt", "answer"}`` lines; an integer answer is kept as its decimal text."""
-    expected = '(expected {"prompt", "answer"})'
+    """RL records from ``{"prompt", "answer"}`` or ``{"messages", "answer"}`` lines (the messages end with the
+    user's turn); an integer answer is kept as its decimal text."""
+    expected = '(expected {"prompt", "answer"} or {"messages", "answer"})'
     records = []
     for where, obj in _read_objects(path):
-        prompt = _string(where, obj, "prompt", expected)
+        messages = None
+        if "messages" in obj:
+            if "prompt" in obj:
+                raise DataError(f"{where}: field 'prompt' given together with 'messages'; use one format {expected}")
+            messages, prompt = _messages(where, obj["messages"], last_role="user"), None
+        else:
+            prompt = _string(where, obj, "prompt", expected)
         if "answer" not in obj:
             raise DataError(f"{where}: missing field 'answer' {expected}")
         answer = obj["answer"]
@@ -164,7 +174,7 @@ def read_rl_jsonl(path: str | os.PathLike[str]) -> list[RLRecord]:
             answer = str(answer)
         if not isinstance(answer, str):
             raise DataError(f"{where}: field 'answer' must be a string or an integer, got {_type_name(answer)}")
-        records.append(RLRecord(prompt=prompt, answer=answer))
+        records.append(RLRecord(prompt=prompt, answer=answer, messages=messages))
     return records
 
 

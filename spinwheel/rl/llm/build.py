@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from spinwheel.models.hf import load_model
+from spinwheel.models.tokenizer import TokenizerError
 from spinwheel.models.transformer import scalar_head_model
 from spinwheel.rl.llm.algorithms import GroupPolicyGradient
 from spinwheel.rl.llm.config import RLConfig
@@ -15,7 +16,7 @@ from spinwheel.rl.llm.ppo import PPO
 from spinwheel.rl.llm.rollout import Prompt, prompts_from_task
 from spinwheel.rl.llm.trpo import TRPO
 from spinwheel.tasks.arithmetic import ArithmeticTask
-from spinwheel.tasks.data import read_rl_jsonl
+from spinwheel.tasks.data import DataError, RLRecord, read_rl_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner
 
@@ -25,10 +26,22 @@ def load_prompts(config: RLConfig, tokenizer) -> tuple[list[Prompt], list[Prompt
     if config.data is None:
         task = ArithmeticTask(config.task)
         return prompts_from_task(tokenizer, task.train), prompts_from_task(tokenizer, task.test)
-    rows = prompts_from_task(tokenizer, read_rl_jsonl(config.data))
+    records = read_rl_jsonl(config.data)
+    plain = iter(prompts_from_task(tokenizer, [r for r in records if r.messages is None]))
+    rows = [next(plain) if r.messages is None else chat_prompt(tokenizer, r, config.data) for r in records]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
     num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
     return [rows[i] for i in order[num_eval:]], [rows[i] for i in order[:num_eval]]
+
+
+def chat_prompt(tokenizer, record: RLRecord, path: str) -> Prompt:
+    """A ``messages`` line rendered with the tokenizer's chat template and the assistant's generation prompt; the
+    template writes its own special tokens (BOS), so the text is tokenized without adding them again."""
+    try:
+        text = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True)
+    except TokenizerError as e:
+        raise DataError(f"{path}: 'messages' lines need the checkpoint's chat template: {e}") from None
+    return Prompt(text, tuple(tokenizer.encode(text, add_special_tokens=False)), record.answer)
 
 
 def make_algorithm(
