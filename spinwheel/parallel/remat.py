@@ -146,16 +146,22 @@ class SavedBytes:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._skip = {t.untyped_storage().data_ptr() for t in exclude}
         self.storages: dict[int, int] = {}  # data pointer -> bytes
+        self.devices: dict[int, str] = {}  # data pointer -> device type
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
 
+    def bytes_on(self, device_type: str) -> int:
+        """The part of :attr:`nbytes` held in memory of ``device_type`` ("cpu", "cuda")."""
+        return sum(n for ptr, n in self.storages.items() if self.devices[ptr] == device_type)
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in self._skip:
             self.storages[storage.data_ptr()] = storage.nbytes()
+            self.devices[storage.data_ptr()] = t.device.type
         return t
 
     def __enter__(self) -> SavedBytes:
