@@ -127,3 +127,45 @@ def test_pa_cpu_keeps_the_slices_in_host_memory_and_padding_round_trips(per_rank
             if run[2] == "tp-cpu":
                 assert res[run]["blocks_in_host_memory"] == res[run]["blocks"] > 0
         assert res["odd"] == (4, True)  # ⌈7 / 2⌉ elements per rank
+
+
+M, ROWS = 2, 2  # pipeline micro-batches, rows per micro-batch
+
+
+def pipeline_worker(rank: int, world_size: int) -> dict:
+    """GPipe's stage mode on a tp 2 × pp 2 grid, checkpoints whole and partitioned: peak bytes held, loss, grads."""
+    dims = ParallelDims.create(tp=TP, pp=2)
+    out = {"stage": dims.pp_axis.rank}
+    for partition in ("none", "tp"):
+        model = Transformer(preset_config("test", VOCAB, num_hidden_layers=L)).init_weights(seed=1)
+        pm = parallelize(model, dims, remat="stage", remat_partition=partition, schedule="gpipe")
+        pm.pipeline.track_activations = True
+        ids = torch.randint(0, VOCAB, (M * ROWS, T + 1), generator=torch.Generator().manual_seed(5))
+        inputs, labels = [mb[:, :-1].clone() for mb in ids.chunk(M)], [mb[:, 1:] for mb in ids.chunk(M)]
+
+        def loss_fn(logits: torch.Tensor, i: int, labels: list[torch.Tensor] = labels) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(logits, labels[i], dims.tp_axis, dims.comm).mean() / M
+
+        loss = pm.pipeline.step(inputs, loss_fn, module=pm.module)
+        out[partition] = {
+            "peak": pm.pipeline.stats.peak_activation_bytes,
+            "loss": float(loss),
+            "grads": {n: p.grad.numpy().copy() for n, p in pm.stage.named_parameters()},
+        }
+    return out
+
+
+def test_stage_mode_partitioned_under_tp_and_pp():
+    """Stage 1 keeps M received inputs of X₁ = 4·b·T·C bytes each, whole; partitioned, M·X₁/tp (the schedule frees
+    the received tensor's storage; it needs only its shape for the gradient). Stage 0's input is token ids, kept
+    whole (8·b·T bytes each). Losses and gradients are the same bit for bit."""
+    for res in spawn(pipeline_worker, 4, timeout_s=240):
+        whole, part = res["none"], res["tp"]
+        if res["stage"] == 0:
+            assert whole["peak"] == part["peak"] == M * 8 * ROWS * T
+        else:
+            assert whole["peak"] == M * 4 * ROWS * T * C
+            assert part["peak"] == whole["peak"] // TP
+            assert part["loss"] == whole["loss"] and whole["loss"] > 0
+        for name, g in whole["grads"].items():
+            assert (part["grads"][name] == g).all(), name

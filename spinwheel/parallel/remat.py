@@ -8,7 +8,8 @@ al., 2019, §2.3), in three modes, optionally with ZeRO-R's partitioned checkpoi
   blocks at a time minimise the sum.
 * ``stage`` — GPipe's stage-boundary mode under pipeline parallelism: the whole stage (embedding and head included
   where the stage holds them) is one region, so each in-flight micro-batch keeps only the stage's input (token ids
-  on the first stage, the received hidden states elsewhere) and backward recomputes the stage.
+  on the first stage, the received hidden states elsewhere) and backward recomputes the stage. With partitioned
+  checkpoints the schedule frees the received input's storage after the forward (it holds x only for x.grad).
 
 With a :class:`~spinwheel.parallel.remat_partition.PartitionedInput` store, each region's input is kept as this
 rank's 1/tp slice (in host memory for Pa+cpu) and all-gathered before recomputation.
@@ -122,6 +123,8 @@ def apply_remat(
         return 0
     if mode == "stage":
         _install([model], store)
+        # The pipeline schedule keeps each received input only for its gradient; with a copying store it may free it.
+        model.remat_input_copied = store.copies_input
         return 1
     if mode == "block":
         k = 1

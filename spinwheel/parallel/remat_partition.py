@@ -28,6 +28,8 @@ from spinwheel.parallel.mesh import Axis
 class WholeInput:
     """The unpartitioned store: a checkpoint keeps its input tensor itself (no copy)."""
 
+    copies_input = False
+
     def pack(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return x.detach(), None
 
@@ -44,17 +46,23 @@ class _PartitionMeta:
 
 @dataclass(frozen=True)
 class PartitionedInput:
-    """Pa: keep this rank's slice of a TP-replicated input; ``offload`` (Pa+cpu) keeps the slice in host memory."""
+    """Pa: keep this rank's slice of a TP-replicated input; ``offload`` (Pa+cpu) keeps the slice in host memory.
+
+    Integer inputs (the first pipeline stage's token ids, 1/C of a hidden state and held by the caller anyway) are
+    kept whole."""
 
     axis: Axis
     comm: Comm
     offload: bool = False
+    copies_input = True  # a floating input's storage is no longer needed by the region once packed
 
     def slice_size(self, numel: int) -> int:
         """Elements each rank keeps of an input of ``numel`` elements: ⌈numel / tp⌉ (the last slice is padded)."""
         return -(-numel // self.axis.size)
 
-    def pack(self, x: torch.Tensor) -> tuple[torch.Tensor, _PartitionMeta]:
+    def pack(self, x: torch.Tensor) -> tuple[torch.Tensor, _PartitionMeta | None]:
+        if not x.is_floating_point():
+            return x.detach(), None
         flat = x.detach().reshape(-1)  # (N,)
         n = self.slice_size(flat.numel())
         start = min(self.axis.rank * n, flat.numel())
@@ -64,7 +72,9 @@ class PartitionedInput:
         part[: own.numel()].copy_(own, non_blocking=self._pin(x))
         return part, _PartitionMeta(x.shape, flat.numel(), x.device)
 
-    def unpack(self, saved: torch.Tensor, meta: _PartitionMeta) -> torch.Tensor:
+    def unpack(self, saved: torch.Tensor, meta: _PartitionMeta | None) -> torch.Tensor:
+        if meta is None:
+            return saved
         part = saved.to(meta.device, non_blocking=True)  # (n,)
         full = torch.empty(part.numel() * self.axis.size, dtype=part.dtype, device=meta.device)  # (tp·n,)
         self.comm.all_gather(full, part, self.axis)

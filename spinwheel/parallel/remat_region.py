@@ -31,7 +31,10 @@ _saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
 
 
 class InputStore(Protocol):
-    """Whole or partitioned (see :mod:`~spinwheel.parallel.remat_partition`)."""
+    """Whole or partitioned (see :mod:`~spinwheel.parallel.remat_partition`); ``copies_input``: whether what
+    :meth:`pack` keeps is a copy, so the caller may free the input's own storage."""
+
+    copies_input: bool
 
     def pack(self, x: torch.Tensor) -> tuple[torch.Tensor, object]: ...
 
