@@ -29,6 +29,8 @@ from spinwheel.models.transformer import AttentionMask, Transformer, run_blocks
 from spinwheel.parallel import ParallelConfig, ParallelDims, spawn
 from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage
 from spinwheel.parallel.remat import SavedBytes, apply_remat, default_segment_size, segment_ranges
+from spinwheel.parallel.remat_partition import WholeInput
+from spinwheel.parallel.remat_region import CheckpointRegion
 
 VOCAB, B, T, L = 64, 3, 10, 6
 CONFIG = preset_config("test", VOCAB, num_hidden_layers=L)
@@ -101,6 +103,58 @@ def test_losses_and_gradients_equal_no_remat(mode, k):
     assert loss == pytest.approx(ref_loss, rel=1e-7)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_retained_graph_recomputes_for_each_backward():
+    ids = torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for mode in ("none", "every-k"):
+        model = make_model(mode)
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward(retain_graph=True)
+        loss.backward()  # the second backward needs every saved tensor again
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    for name, g in grads["none"].items():
+        torch.testing.assert_close(grads["every-k"][name], g, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_a_failing_forward_leaves_no_region_open():
+    model = make_model("every-k")
+    mlp = model.layers[0].mlp
+
+    def fail(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    mlp.forward = fail  # inside the first segment, after its region opened
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randint(0, VOCAB, (B, T)))
+    del mlp.forward
+    # A region left open would capture the saves of this plain model's forward (and then fail its backward).
+    ids = torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(4))
+    ref_loss, ref_grads = loss_and_grads(make_model(), ids)
+    loss, grads = loss_and_grads(model, ids)
+    assert loss == pytest.approx(ref_loss, rel=1e-7)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_a_recomputation_that_saves_differently_is_refused():
+    calls = []
+
+    def region_fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x.sin() if len(calls) == 1 else x.sin().exp()  # the recomputation saves one tensor more
+
+    x = torch.randn(4, requires_grad=True)
+    region = CheckpointRegion(region_fn, WholeInput(), (x,))
+    region.enter()
+    try:
+        y = region_fn(x)
+    finally:
+        region.exit()
+    assert region.num_saved == 1
+    with pytest.raises(RuntimeError, match="recomputation saved 2 tensors where the forward saved 1"):
+        y.sum().backward()
 
 
 def test_no_grad_forward_runs_plainly():
