@@ -11,8 +11,9 @@ each storage once and leaving parameters out, what the block stack holds after f
 * ``every-k``:  ⌈L/k⌉·X + R — one input per segment of k blocks (default k = round(√L));
 
 so, cos/sin aside, block / none = X / A and every-k / block = ⌈L/k⌉ / L. Under GPipe's ``stage`` mode (pipeline of
-2 stages, M micro-batches of b rows in flight), a stage holds M copies of its input alone: M·8·b·T bytes of token
-ids on the first stage, M·4·b·T·C of hidden states on the second (the loss, computed outside the stage, not counted).
+K = 2 stages, micro-batches of b rows), stage s holds, for each of its m in-flight micro-batches (m = M under GPipe,
+K − s under 1F1B), its input alone: m·8·b·T bytes of token ids on the first stage, m·4·b·T·C of hidden states on
+the second (the loss, computed outside the stage, is not counted).
 """
 
 from __future__ import annotations
