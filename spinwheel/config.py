@@ -1,8 +1,10 @@
 """Typed config dataclasses become command-line options.
 
 Every field of a config dataclass is an option ``--field-name``; its help text is the field's
-``metadata["help"]`` (use :func:`option`). Booleans become ``--flag / --no-flag``. Validation stays in each
-dataclass's ``__post_init__``, so a bad value from the command line fails with the same message as one from code.
+``metadata["help"]`` (use :func:`option`). Booleans become ``--flag / --no-flag``; a choice may also take a value
+when given alone (``bare=``) and a ``--no-`` form (``negated=``), so a flag that grew modes keeps its old spelling.
+Validation stays in each dataclass's ``__post_init__``, so a bad value from the command line fails with the same
+message as one from code.
 """
 
 from __future__ import annotations
@@ -69,7 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", 
             group.add_argument(name, dest=dest, type=inner, nargs="*", default=default, help=shown)
         elif typing.get_origin(tp) is typing.Literal:
             choices = list(typing.get_args(tp))
-            group.add_argument(name, dest=dest, type=type(choices[0]), choices=choices, default=default, help=shown)
+            # metadata "bare": the value of the option given alone (``--remat``); "negated": of ``--no-<name>``.
+            bare = {"nargs": "?", "const": f.metadata["bare"]} if "bare" in f.metadata else {}
+            group.add_argument(
+                name, dest=dest, type=type(choices[0]), choices=choices, default=default, help=shown, **bare
+            )
+            if "negated" in f.metadata:
+                negated = f.metadata["negated"]
+                no = "--" + prefix + "no-" + f.name.replace("_", "-")
+                group.add_argument(no, dest=dest, action="store_const", const=negated, help=f"{name} {negated}")
         else:
             conv = tp if tp in (int, float, str) else str
             group.add_argument(

@@ -10,6 +10,7 @@ from spinwheel.config import option
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
 from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy, parse_dtype
+from spinwheel.parallel.remat import PARTITION_MODES, REMAT_MODES, PartitionMode, RematMode
 
 
 def check_data_parallel(zero: int, fsdp: bool) -> None:
@@ -18,6 +19,27 @@ def check_data_parallel(zero: int, fsdp: bool) -> None:
         raise ParallelError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     if fsdp and zero:
         raise ParallelError("--fsdp/--hsdp and --zero are alternatives (ZeRO-3 is FSDP without prefetch); pick one")
+
+
+def check_remat(remat: str, k: int | None, partition: str, tp: int, pp: int) -> None:
+    """The one check of the re-materialisation choice (the config and :func:`~spinwheel.parallel.parallelize`)."""
+    if remat not in REMAT_MODES:
+        raise ParallelError(f"--remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    if partition not in PARTITION_MODES:
+        raise ParallelError(f"--remat-partition must be one of {', '.join(PARTITION_MODES)}, got {partition!r}")
+    if k is not None and (remat != "every-k" or k < 1):
+        raise ParallelError(f"--remat-k {k} needs --remat every-k and k ≥ 1 (blocks per checkpointed segment)")
+    if remat == "stage" and pp == 1:
+        raise ParallelError(
+            "--remat stage keeps only each pipeline stage's input: it needs --pp > 1 (without a pipeline use "
+            "--remat block or every-k)"
+        )
+    if partition != "none" and remat == "none":
+        raise ParallelError(f"--remat-partition {partition} partitions checkpoints: choose a --remat mode too")
+    if partition != "none" and tp == 1:
+        raise ParallelError(
+            f"--remat-partition {partition} splits checkpoints across the tensor-parallel group: it needs --tp > 1"
+        )
 
 
 @dataclass
@@ -43,7 +65,21 @@ class ParallelConfig:
         1, help="micro-batches per step: pipeline micro-batches with pp > 1, gradient accumulation otherwise"
     )
     schedule: Literal["gpipe", "1f1b"] = option("1f1b", help="pipeline schedule")
-    remat: bool = option(False, help="re-materialise (checkpoint) each block's activations in backward")
+    remat: RematMode = option(
+        "none",
+        help="re-materialise activations in backward: block = keep each block's input (--remat alone), every-k = "
+        "segments of --remat-k blocks, stage = only each pipeline stage's input per micro-batch (needs --pp > 1)",
+        bare="block",
+        negated="none",
+    )
+    remat_k: int | None = option(
+        None, help="blocks per segment for --remat every-k (default: round(√L), L = a stage's blocks)"
+    )
+    remat_partition: PartitionMode = option(
+        "none",
+        help="ZeRO-R: keep each checkpoint as this rank's 1/tp slice, all-gathered before recomputation (tp), "
+        "and in host memory (tp-cpu); needs --tp > 1",
+    )
     bucket_mb: float = option(25.0, help="gradient bucket size cap in MiB (DDP, ZeRO-1/2)")
     fsdp_param_dtype: Literal["bf16", "fp16", "fp32"] | None = option(
         None,
@@ -80,6 +116,9 @@ class ParallelConfig:
                 raise ParallelError(f"{flag} applies to fully sharded layouts: add --fsdp, --hsdp F or --zero 3")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ParallelError(f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if isinstance(self.remat, bool):  # remat=True / False from code written before the modes
+            self.remat = "block" if self.remat else "none"
+        check_remat(self.remat, self.remat_k, self.remat_partition, self.tp, self.pp)
 
     def mixed_precision(self) -> MixedPrecisionPolicy | None:
         """The FSDP/ZeRO-3 mixed-precision policy these options ask for (None: parameters' own dtype throughout)."""

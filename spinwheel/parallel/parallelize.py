@@ -4,8 +4,9 @@
    see only the stage's layers;
 2. **tensor parallelism** — swap in column/row/vocab-parallel layers (they must exist before anything flattens or
    wraps the parameters);
-3. **re-materialisation** — checkpoint each block's forward (inside TP, so recomputation re-runs TP's collectives,
-   and inside the data-parallel wrapper, whose hooks sit around the block's call);
+3. **re-materialisation** — checkpoint each block, segments of k blocks or the whole stage (inside TP, so
+   recomputation re-runs TP's collectives and may keep its checkpoints partitioned over the TP group, and inside the
+   data-parallel wrapper, whose hooks sit around each block's call);
 4. **data parallelism** — exactly one of DDP (``zero=0``), ZeRO-1/2 (``zero=1|2``), ZeRO-3 (``zero=3``: FSDP units,
    no prefetch), FSDP (``fsdp``) or HSDP (``hsdp=F``) over the ``dp`` axis; it wraps last because it owns the final
    parameter storage (buckets, flat shards). The fully sharded ones take a mixed-precision policy and a
@@ -20,13 +21,14 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from spinwheel.parallel.config import check_data_parallel
+from spinwheel.parallel.config import check_data_parallel, check_remat
 from spinwheel.parallel.ddp import DistributedDataParallel
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
 from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage
 from spinwheel.parallel.remat import apply_remat
+from spinwheel.parallel.remat_partition import PartitionedInput, WholeInput
 from spinwheel.parallel.tensor import apply_tensor_parallel
 from spinwheel.parallel.zero import ZeroDataParallel
 
@@ -53,19 +55,26 @@ def parallelize(
     *,
     zero: int = 0,
     fsdp: bool = False,
-    remat: bool = False,
+    remat: str | bool = "none",
     bucket_mb: float = 25.0,
     schedule: str = "1f1b",
     mixed_precision: MixedPrecisionPolicy | None = None,
     fsdp_buffer_mb: float | None = None,
+    remat_k: int | None = None,
+    remat_partition: str = "none",
 ) -> ParallelModel:
     """Cut, shard and wrap ``model`` for the layout ``dims`` (see the module docstring for the order).
 
-    ``mixed_precision`` and ``fsdp_buffer_mb`` (constant-size buffers) apply to the fully sharded layouts."""
+    ``mixed_precision`` and ``fsdp_buffer_mb`` (constant-size buffers) apply to the fully sharded layouts;
+    ``remat``: none / block / every-k (``remat_k`` blocks per segment) / stage, ``True`` meaning block;
+    ``remat_partition``: none / tp (Pa) / tp-cpu (Pa+cpu), see :mod:`~spinwheel.parallel.remat`."""
     dims.validate_model(model.config)
     comm = dims.comm
     dtype = next(model.parameters()).dtype
     check_data_parallel(zero, fsdp)
+    if isinstance(remat, bool):
+        remat = "block" if remat else "none"
+    check_remat(remat, remat_k, remat_partition, dims.tp, dims.pp)
     if dims.dp_replicate > 1 and not fsdp:
         raise ParallelError("dp_replicate > 1 is hybrid sharding: it needs fsdp (--hsdp F)")
     stage: nn.Module = model
@@ -79,8 +88,10 @@ def parallelize(
             )
         stage = PipelineStage(model, dims.pp_axis.rank, dims.pp)
     shard_dims = apply_tensor_parallel(stage, dims.tp_axis, comm)
-    if remat:
-        apply_remat(stage)
+    if remat != "none":
+        offload = remat_partition == "tp-cpu"
+        store = PartitionedInput(dims.tp_axis, comm, offload) if remat_partition != "none" else WholeInput()
+        apply_remat(stage, remat, remat_k, store)
     if fsdp:
         module: nn.Module = FullyShardedDataParallel(
             stage,

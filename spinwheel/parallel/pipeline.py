@@ -12,7 +12,7 @@ pair of stages sends and receives in the same order, so neither schedule can dea
 
 Both leave the same idle "bubble" per stage: (K−1)/(M+K−1) of the step (:func:`bubble_fraction`). The schedule
 records the compute intervals of each stage so the bubble can be measured, and (optionally) the bytes autograd
-saves per micro-batch so peak activation memory can be measured.
+saves per micro-batch, with the stage input the schedule keeps for it, so peak activation memory can be measured.
 
 Tied embeddings across stages (the head on stage K−1 uses stage 0's embedding matrix) are kept as two copies whose
 gradients are summed over the first/last-stage group (:func:`sync_tied_weights`), as Megatron-LM does.
@@ -195,6 +195,12 @@ class PipelineSchedule:
                     out = run(x)
             else:
                 out = run(x)
+            if not first and getattr(self.stage, "remat_input_copied", False):
+                # Re-materialised stage whose checkpoint keeps its own (partitioned) copy of x: the schedule holds
+                # x only to collect x.grad, which needs its shape, not its values.
+                x.untyped_storage().resize_(0)
+            if self.track_activations:  # x itself stays alive until this micro-batch's backward
+                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
             if last:
                 loss = loss_fn(out, i)
                 total = total + loss.detach().float()

@@ -92,6 +92,8 @@ class ParallelTrainer:
             schedule=config.schedule,
             mixed_precision=config.mixed_precision(),
             fsdp_buffer_mb=config.fsdp_buffer_mb or None,
+            remat_k=config.remat_k,
+            remat_partition=config.remat_partition,
         )
         self.optimizer = self.pm.module.make_optimizer(optimizer_factory) if optimizer_factory else None
         self.max_grad_norm = max_grad_norm
