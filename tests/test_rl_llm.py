@@ -146,7 +146,7 @@ def test_messages_lines_render_with_the_chat_template(tmp_path):
     rendered = "<bos><|system|>\nAdd.\n<|user|>\n2+2=\n<|assistant|>\n"
     assert by_answer["4"].text == rendered
     assert list(by_answer["4"].ids) == tok.encode(rendered, add_special_tokens=False)
-    assert by_answer["4"].ids.count(tok.bos_token_id) == 1  # the template's BOS only, not a second one
+    assert by_answer["4"].ids.count(tok.bos_id) == 1  # the template's BOS only, not a second one
     assert list(by_answer["2"].ids) == tok.encode("1+1=")  # plain prompts keep the tokenizer's BOS
     tok.chat_template = None
     with pytest.raises(DataError, match="'messages' lines need the checkpoint's chat template"):
