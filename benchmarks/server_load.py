@@ -2,10 +2,14 @@
 
 Starts the server as a subprocess (so clients and server do not share a GIL), sends `--requests` streaming
 completions from `--clients` concurrent asyncio clients, and reports request throughput, output tokens/s, time to
-first token and inter-token latency (p50 / p99). For reference it then runs the same workload through the offline
-`LLM.generate` in this process and prints the server's throughput as a ratio of it (the cost of HTTP + streaming).
+first token and inter-token latency (p50 / p99). It does so for each engine mode in `--modes`, back to back in one
+run: `process` (the engine in its own process, serve's default) and `thread` (`--no-engine-process`). For reference
+it runs the same workload through the offline `LLM.generate` in this process before and after the servers, and
+prints each server's throughput as a ratio of the offline mean (the cost of HTTP + streaming), with the machine's
+load average, since a loaded machine moves every figure.
 
     .venv/bin/python benchmarks/server_load.py                      # tiny preset, 32 clients, 128 requests
+    .venv/bin/python benchmarks/server_load.py --model small --modes process
     .venv/bin/python benchmarks/server_load.py --model runs/demo/checkpoint --clients 64
 """
 
@@ -115,6 +119,37 @@ def _offline(args: argparse.Namespace, work: list[tuple[str, int]]) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
+def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> tuple[dict, str]:
+    """Start `spinwheel serve` in ``mode``, run the load, return the client-side figures and /metrics."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    cmd = [sys.executable, "-m", "spinwheel.cli", "serve", "--model", args.model, "--port", str(port)]
+    cmd += ["--served-model-name", "bench", "--log-level", "warning"]
+    cmd += ["--engine-process" if mode == "process" else "--no-engine-process"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"server ({mode}) did not start")
+            time.sleep(0.2)
+        stats = asyncio.run(_run_load(url, "bench", work, args.clients))
+        return stats, httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="checkpoint directory or preset")
@@ -126,58 +161,42 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the offline run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--modes", nargs="+", choices=["process", "thread"], default=["process", "thread"], help="engine modes to run"
+    )
     args = ap.parse_args()
     work = _workload(args)
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "spinwheel.cli",
-        "serve",
-        "--model",
-        args.model,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("server did not start")
-            time.sleep(0.2)
-        stats = asyncio.run(_run_load(url, "bench", work, args.clients))
-        metrics = httpx.get(url + "/metrics").text
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    offline_tps = _offline(args, work)
     print(
         f"workload: model={args.model} clients={args.clients} requests={args.requests} prompt chars "
         f"{args.min_prompt}-{args.max_prompt} output tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, "
-        f"greedy) threads={args.threads}"
+        f"greedy) threads={args.threads}; {os.cpu_count()} CPUs"
     )
+    print(f"start: {_load()}")
+    offline = [_offline(args, work)]
+    results = {}
+    for mode in args.modes:
+        results[mode] = _serve(args, work, mode)
+        print(f"after {mode}: {_load()}")
+    offline.append(_offline(args, work))
+    offline_tps = sum(offline) / len(offline)
+    runs = ", ".join(f"{x:.0f}" for x in offline)
+    print(f"offline LLM.generate, same workload: {offline_tps:.0f} output tok/s (runs: {runs})")
+    for mode, (stats, metrics) in results.items():
+        preempt = [line for line in metrics.splitlines() if line.startswith("spinwheel_num_preemptions_total")]
+        print(
+            f"server engine={mode:7s}: {stats['requests_per_s']:.2f} req/s, {stats['output_tokens_per_s']:.0f} "
+            f"output tok/s = {stats['output_tokens_per_s'] / offline_tps:.2f}x offline; TTFT p50 "
+            f"{stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
+            f"p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s; {'; '.join(preempt)})"
+        )
     print(
-        f"server : {stats['requests_per_s']:.2f} req/s, {stats['output_tokens_per_s']:.0f} output tok/s, "
-        f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, "
-        f"ITL p50 {stats['itl_p50_ms']:.1f} ms p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s)"
+        json.dumps(
+            {
+                m: {k: round(v, 3) if isinstance(v, float) else v for k, v in st.items()}
+                for m, (st, _) in results.items()
+            }
+        )
     )
-    print(f"offline LLM.generate, same workload: {offline_tps:.0f} output tok/s")
-    print(f"ratio server / offline throughput: {stats['output_tokens_per_s'] / offline_tps:.2f}x")
-    preempt = [line for line in metrics.splitlines() if line.startswith("spinwheel_num_preemptions_total")]
-    print("server metrics:", "; ".join(preempt))
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()}))
 
 
 if __name__ == "__main__":
