@@ -5,8 +5,10 @@ completions from `--clients` concurrent asyncio clients, and reports request thr
 first token and inter-token latency (p50 / p99). It does so for each engine mode in `--modes`, back to back in one
 run: `process` (the engine in its own process, serve's default) and `thread` (`--no-engine-process`). For reference
 it runs the same workload through the offline `LLM.generate` in this process before and after the servers, and
-prints each server's throughput as a ratio of the offline mean (the cost of HTTP + streaming), with the machine's
-load average, since a loaded machine moves every figure.
+prints each server's throughput as a ratio of the offline mean, with the machine's load average, since a loaded
+machine moves every figure. Offline takes all requests at once; the server holds at most one per client, so a
+second offline figure caps the batch at `--clients` sequences (`max_num_seqs`): its ratio is the cost of HTTP and
+streaming alone.
 
     .venv/bin/python benchmarks/server_load.py                      # tiny preset, 32 clients, 128 requests
     .venv/bin/python benchmarks/server_load.py --model small --modes process
@@ -53,43 +55,83 @@ def _workload(args: argparse.Namespace) -> list[tuple[str, int]]:
     ]
 
 
-async def _client(url: str, model: str, queue: asyncio.Queue, results: list, http: httpx.AsyncClient) -> None:
+def _body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _is_token_event(data: bytes | str) -> bool:
+    payload = json.loads(data)
+    return bool(payload["choices"] and payload["choices"][0]["text"])
+
+
+async def _httpx_client(url: str, model: str, queue: asyncio.Queue, results: list, http: httpx.AsyncClient) -> None:
     while True:
         try:
             prompt, max_tokens = queue.get_nowait()
         except asyncio.QueueEmpty:
             return
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
         t0 = time.perf_counter()
         stamps: list[float] = []
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        async with http.stream(
+            "POST", url + "/v1/completions", json=_body(model, prompt, max_tokens) | {"stream": True}
+        ) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if payload["choices"] and payload["choices"][0]["text"]:
+                if line.startswith("data: ") and line != "data: [DONE]" and _is_token_event(line[6:]):
                     stamps.append(time.perf_counter())
         results.append((t0, stamps, max_tokens))
 
 
-async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: int) -> dict:
+async def _raw_client(url: str, model: str, queue: asyncio.Queue, results: list) -> None:
+    """A lean HTTP/1.1 client on one keep-alive connection (chunked SSE responses parsed by hand): on a machine with
+    few cores, httpx's per-event cost would take CPU from the server it measures."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        while True:
+            try:
+                prompt, max_tokens = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            body = json.dumps(_body(model, prompt, max_tokens) | {"stream": True}).encode()
+            t0 = time.perf_counter()
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (host.encode(), len(body), body)
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
+                raise RuntimeError(f"unexpected response head: {head[:200]!r}")
+            stamps: list[float] = []
+            pending = b""
+            while True:
+                size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+                chunk = (await reader.readexactly(size + 2))[:-2]
+                if size == 0:
+                    break
+                pending += chunk
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    if event.startswith(b"data: {") and _is_token_event(event[6:]):
+                        stamps.append(time.perf_counter())
+            results.append((t0, stamps, max_tokens))
+    finally:
+        writer.close()
+
+
+async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: int, client: str = "raw") -> dict:
     queue: asyncio.Queue = asyncio.Queue()
     for w in work:
         queue.put_nowait(w)
     results: list = []
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*[_client(url, model, queue, results, http) for _ in range(clients)])
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if client == "raw":
+        await asyncio.gather(*[_raw_client(url, model, queue, results) for _ in range(clients)])
+    else:
+        limits = httpx.Limits(max_connections=clients + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            await asyncio.gather(*[_httpx_client(url, model, queue, results, http) for _ in range(clients)])
+    wall = time.perf_counter() - t0
     ttft = [s[0] - t for t, s, _ in results if s]
     itl = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
     tokens = sum(n for _, _, n in results)
@@ -105,14 +147,17 @@ async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: 
     }
 
 
-def _offline(args: argparse.Namespace, work: list[tuple[str, int]]) -> float:
+def _offline(args: argparse.Namespace, work: list[tuple[str, int]], max_num_seqs: int = 256) -> float:
+    """Output tokens/s of ``LLM.generate`` on the whole workload at once (after a warm-up generation), with at most
+    ``max_num_seqs`` sequences per step."""
     import torch
 
     from spinwheel.engine import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model)
+    llm = LLM(args.model, max_num_seqs=max_num_seqs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p for p, _ in work[:8]], params[:8])  # warm-up: first-call costs are not throughput
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params)
     wall = time.perf_counter() - t0
@@ -139,7 +184,8 @@ def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> 
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"server ({mode}) did not start")
             time.sleep(0.2)
-        stats = asyncio.run(_run_load(url, "bench", work, args.clients))
+        asyncio.run(_run_load(url, "bench", work[:8], min(8, args.clients), args.client))  # warm-up
+        stats = asyncio.run(_run_load(url, "bench", work, args.clients, args.client))
         return stats, httpx.get(url + "/metrics").text
     finally:
         proc.terminate()
@@ -164,28 +210,41 @@ def main() -> None:
     ap.add_argument(
         "--modes", nargs="+", choices=["process", "thread"], default=["process", "thread"], help="engine modes to run"
     )
+    ap.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="load generator: a lean asyncio HTTP client (raw) or httpx (heavier per event; the figures before "
+        "the engine process were measured with it)",
+    )
     args = ap.parse_args()
     work = _workload(args)
     print(
         f"workload: model={args.model} clients={args.clients} requests={args.requests} prompt chars "
         f"{args.min_prompt}-{args.max_prompt} output tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, "
-        f"greedy) threads={args.threads}; {os.cpu_count()} CPUs"
+        f"greedy) threads={args.threads}; client={args.client}; {os.cpu_count()} CPUs"
     )
     print(f"start: {_load()}")
     offline = [_offline(args, work)]
+    capped = [_offline(args, work, args.clients)]
     results = {}
     for mode in args.modes:
         results[mode] = _serve(args, work, mode)
         print(f"after {mode}: {_load()}")
     offline.append(_offline(args, work))
-    offline_tps = sum(offline) / len(offline)
-    runs = ", ".join(f"{x:.0f}" for x in offline)
-    print(f"offline LLM.generate, same workload: {offline_tps:.0f} output tok/s (runs: {runs})")
+    capped.append(_offline(args, work, args.clients))
+    offline_tps, capped_tps = sum(offline) / len(offline), sum(capped) / len(capped)
+    print(
+        f"offline LLM.generate, same workload: {offline_tps:.0f} output tok/s (before, after: "
+        f"{offline[0]:.0f}, {offline[1]:.0f}); with at most {args.clients} sequences per step (the server's "
+        f"concurrency): {capped_tps:.0f} ({capped[0]:.0f}, {capped[1]:.0f})"
+    )
     for mode, (stats, metrics) in results.items():
         preempt = [line for line in metrics.splitlines() if line.startswith("spinwheel_num_preemptions_total")]
         print(
             f"server engine={mode:7s}: {stats['requests_per_s']:.2f} req/s, {stats['output_tokens_per_s']:.0f} "
-            f"output tok/s = {stats['output_tokens_per_s'] / offline_tps:.2f}x offline; TTFT p50 "
+            f"output tok/s = {stats['output_tokens_per_s'] / offline_tps:.2f}x offline "
+            f"({stats['output_tokens_per_s'] / capped_tps:.2f}x at the same concurrency); TTFT p50 "
             f"{stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
             f"p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s; {'; '.join(preempt)})"
         )

@@ -115,7 +115,10 @@ class EngineCore:
         self._wake = threading.Event()
         self._stop = False
         self._live: set[str] = set()  # requests added and not yet finished
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._read, name="spinwheel-engine-reader", daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name="spinwheel-engine-writer", daemon=True)
+        self._writer.start()
 
     def _read(self) -> None:
         """Drain the pipe as commands arrive (so the server's writes never wait on a step)."""
@@ -131,7 +134,21 @@ class EngineCore:
                 return
 
     def _send(self, message: tuple) -> None:
-        self.conn.send_bytes(dumps(message))
+        self._outbox.put(dumps(message))
+
+    def _write(self) -> None:
+        """Write to the pipe off the stepping thread: a write wakes the server's reader, and on a busy machine the
+        scheduler may run it in the writer's place; meanwhile the next step goes on here. Ends with ``None``."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the server went away: the reader sees it too and stops the core
+                return
+
+    def close(self) -> None:
+        """Send what is queued, then stop the writer."""
+        self._outbox.put(None)
+        self._writer.join(10)
 
     def _apply_commands(self) -> None:
         failed: list[tuple[str, BaseException]] = []
@@ -209,9 +226,9 @@ def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
         return
     info = EngineInfo(os.getpid(), engine.model.config.vocab_size, engine.max_model_len, engine.stats())
     conn.send_bytes(dumps(("ready", info)))
+    core = EngineCore(engine, conn)
     try:
-        EngineCore(engine, conn).run()
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the server went away mid-send
+        core.run()
     finally:
+        core.close()
         conn.close()

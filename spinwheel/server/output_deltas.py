@@ -15,13 +15,10 @@ fields (``outputs`` excepted) to a value or a :class:`Tail`; ``choices`` holds o
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 from spinwheel.engine import CompletionOutput, RequestOutput
 
-_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name != "outputs")
-_CHOICE_FIELDS = tuple(f.name for f in dataclasses.fields(CompletionOutput))
 _UNSET = object()
 
 Delta = tuple[str, dict[str, Any], list[dict[str, Any]]]
@@ -34,25 +31,30 @@ class Tail(NamedTuple):
     tail: Any
 
 
-def _diff(new: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any]:
-    """The fields of ``new`` that differ from ``sent`` (what the other side holds), updating ``sent``."""
+def _diff(new: dict[str, Any], sent: dict[str, Any], skip: str = "") -> dict[str, Any]:
+    """The fields of ``new`` (an output's ``__dict__``; ``skip`` excepted) that differ from ``sent`` (what the
+    other side holds), updating ``sent``."""
     delta: dict[str, Any] = {}
     for name, value in new.items():
         old = sent.get(name, _UNSET)
-        if isinstance(value, (str, list)) and type(old) is type(value):
+        if value is old or name == skip:
+            continue
+        kind = type(value)
+        if (kind is str or kind is list) and type(old) is kind:
             n = len(old)  # type: ignore[arg-type]
             # list equality checks identity first, so a shallow copy of a list of dicts compares in pointer time
-            if value.startswith(old) if isinstance(value, str) else len(value) >= n and value[:n] == old:
-                if len(value) > n:
-                    delta[name] = Tail(n, value[n:])
+            if value.startswith(old) if kind is str else len(value) >= n and value[:n] == old:
+                if len(value) == n:
+                    continue
+                delta[name] = Tail(n, value[n:])
             else:
                 delta[name] = value
-        elif old is _UNSET or old != value:
-            delta[name] = value
-        else:
+        elif old is not _UNSET and old == value:
             continue
+        else:
+            delta[name] = value
         # the engine may grow its lists in place after this step (logprobs): remember a copy of what was sent
-        sent[name] = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+        sent[name] = list(value) if kind is list else dict(value) if kind is dict else value
     return delta
 
 
@@ -74,13 +76,11 @@ class DeltaEncoder:
 
     def encode(self, out: RequestOutput) -> Delta:
         fields, choices = self._sent.setdefault(out.request_id, ({}, []))
-        request = _diff({name: getattr(out, name) for name in _REQUEST_FIELDS}, fields)
+        request = _diff(vars(out), fields, skip="outputs")
         del choices[len(out.outputs) :]
         while len(choices) < len(out.outputs):
             choices.append({})
-        deltas = [
-            _diff({name: getattr(c, name) for name in _CHOICE_FIELDS}, sent) for c, sent in zip(out.outputs, choices)
-        ]
+        deltas = [_diff(vars(c), sent) for c, sent in zip(out.outputs, choices)]
         if out.finished:
             del self._sent[out.request_id]
         return out.request_id, request, deltas
