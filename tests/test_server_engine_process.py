@@ -226,6 +226,13 @@ def test_an_engine_process_killed_mid_stream_fails_its_requests_then_restarts_th
             t.start()
         assert all(s.wait(60) for s in started)
         first_pid = ep.pid
+        # a hung engine process sends nothing: the stall is measured on the server's side
+        assert ep.seconds_without_progress() < 1.0
+        os.kill(first_pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        assert ep.seconds_without_progress() > 1.9
+        os.kill(first_pid, signal.SIGCONT)
+        _eventually(lambda: ep.seconds_without_progress() < 0.5, 10)
         os.kill(first_pid, signal.SIGKILL)
         killed = time.monotonic()
         seen = set()
