@@ -23,6 +23,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -217,6 +218,7 @@ def main() -> None:
         help="load generator: a lean asyncio HTTP client (raw) or httpx (heavier per event; the figures before "
         "the engine process were measured with it)",
     )
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each mode (alternating); medians reported")
     args = ap.parse_args()
     work = _workload(args)
     print(
@@ -225,20 +227,26 @@ def main() -> None:
         f"greedy) threads={args.threads}; client={args.client}; {os.cpu_count()} CPUs"
     )
     print(f"start: {_load()}")
-    offline = [_offline(args, work)]
-    capped = [_offline(args, work, args.clients)]
-    results = {}
-    for mode in args.modes:
-        results[mode] = _serve(args, work, mode)
-        print(f"after {mode}: {_load()}")
+    offline: list[float] = []
+    capped: list[float] = []
+    runs: dict[str, list[tuple[dict, str]]] = {mode: [] for mode in args.modes}
+    for r in range(args.repeats):
+        offline.append(_offline(args, work))
+        capped.append(_offline(args, work, args.clients))
+        for mode in args.modes if r % 2 == 0 else args.modes[::-1]:  # alternate, so that drift hits both alike
+            runs[mode].append(_serve(args, work, mode))
+            print(f"run {r + 1} {mode}: {runs[mode][-1][0]['output_tokens_per_s']:.0f} output tok/s; {_load()}")
     offline.append(_offline(args, work))
     capped.append(_offline(args, work, args.clients))
-    offline_tps, capped_tps = sum(offline) / len(offline), sum(capped) / len(capped)
+    offline_tps, capped_tps = statistics.median(offline), statistics.median(capped)
     print(
-        f"offline LLM.generate, same workload: {offline_tps:.0f} output tok/s (before, after: "
-        f"{offline[0]:.0f}, {offline[1]:.0f}); with at most {args.clients} sequences per step (the server's "
-        f"concurrency): {capped_tps:.0f} ({capped[0]:.0f}, {capped[1]:.0f})"
+        f"offline LLM.generate, same workload: median {offline_tps:.0f} output tok/s (runs: "
+        f"{', '.join(f'{x:.0f}' for x in offline)}); with at most {args.clients} sequences per step (the "
+        f"server's concurrency): {capped_tps:.0f} ({', '.join(f'{x:.0f}' for x in capped)})"
     )
+    results = {mode: sorted(rs, key=lambda r: r[0]["output_tokens_per_s"])[len(rs) // 2] for mode, rs in runs.items()}
+    if args.repeats > 1:
+        print(f"server figures: the median run of {args.repeats} per mode")
     for mode, (stats, metrics) in results.items():
         preempt = [line for line in metrics.splitlines() if line.startswith("spinwheel_num_preemptions_total")]
         print(
