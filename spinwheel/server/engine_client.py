@@ -157,6 +157,9 @@ class EngineProcess(StreamingEngine):
         self._snapshot = EngineSnapshot(child.info.stats, False, 0, 0)
         self._decoder = DeltaDecoder()
         self._child = child
+        if self._closing:  # shut down while this one was starting (a restart)
+            child.close()
+            return
         threading.Thread(target=self._read, args=(child,), name="spinwheel-engine-client", daemon=True).start()
         with self._lock:
             self.error = None
