@@ -1,7 +1,8 @@
 """The engine in its own process (issue 12 item 13): outputs cross the pipe as deltas that rebuild the engine's
-own outputs exactly; the server's end-to-end tests pass against it; aborts (disconnects, stalled readers) free the
-blocks in the engine process; an engine process killed mid-stream fails its requests with error objects, answers
-503 on /health, and is restarted, or the server exits with the reason; never a hang."""
+own outputs exactly; the server's end-to-end tests (from test_server, test_server_fields, test_server_streaming,
+imported) pass against it; aborts (disconnects, stalled readers) free the blocks in the engine process; an engine
+process killed mid-stream fails its requests with error objects, answers 503 on /health, and is restarted, or the
+server exits with the reason; never a hang."""
 
 import json
 import os
@@ -25,6 +26,15 @@ from test_server import (  # noqa: F401 - imported tests run again here, against
     test_metrics_are_prometheus_text,
     test_models_and_health,
     test_n_seed_stop_and_logprobs,
+)
+from test_server_fields import (  # noqa: F401 - the request fields that reach the engine, across the pipe
+    test_beam_search_through_the_api_equals_the_offline_beam_search,
+    test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob,
+    test_echo_with_logprobs_through_the_openai_client,
+    test_echo_with_max_tokens_0_scores_the_prompt_alone,
+    test_logit_bias_minus_100_bans_a_token_as_a_naive_greedy_loop_does,
+    test_logit_bias_plus_100_forces_a_token,
+    test_prompt_logprobs_as_vllm_returns_them,
 )
 from test_server_hostile import _eventually, _long_context_model, _metric
 from test_server_streaming import test_no_chunks_after_a_choice_finished  # noqa: F401
@@ -55,6 +65,11 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return _model()
 
 
 @pytest.fixture(scope="module")
