@@ -2,10 +2,16 @@
 
 Starts the server as a subprocess (so clients and server do not share a GIL), sends `--requests` streaming
 completions from `--clients` concurrent asyncio clients, and reports request throughput, output tokens/s, time to
-first token and inter-token latency (p50 / p99). For reference it then runs the same workload through the offline
-`LLM.generate` in this process and prints the server's throughput as a ratio of it (the cost of HTTP + streaming).
+first token and inter-token latency (p50 / p99). It does so for each engine mode in `--modes`, back to back in one
+run: `process` (the engine in its own process, serve's default) and `thread` (`--no-engine-process`). For reference
+it runs the same workload through the offline `LLM.generate` in this process before and after the servers, and
+prints each server's throughput as a ratio of the offline mean, with the machine's load average, since a loaded
+machine moves every figure. Offline takes all requests at once; the server holds at most one per client, so a
+second offline figure caps the batch at `--clients` sequences (`max_num_seqs`): its ratio is the cost of HTTP and
+streaming alone.
 
     .venv/bin/python benchmarks/server_load.py                      # tiny preset, 32 clients, 128 requests
+    .venv/bin/python benchmarks/server_load.py --model small --modes process
     .venv/bin/python benchmarks/server_load.py --model runs/demo/checkpoint --clients 64
 """
 
@@ -17,6 +23,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -49,43 +56,83 @@ def _workload(args: argparse.Namespace) -> list[tuple[str, int]]:
     ]
 
 
-async def _client(url: str, model: str, queue: asyncio.Queue, results: list, http: httpx.AsyncClient) -> None:
+def _body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _is_token_event(data: bytes | str) -> bool:
+    payload = json.loads(data)
+    return bool(payload["choices"] and payload["choices"][0]["text"])
+
+
+async def _httpx_client(url: str, model: str, queue: asyncio.Queue, results: list, http: httpx.AsyncClient) -> None:
     while True:
         try:
             prompt, max_tokens = queue.get_nowait()
         except asyncio.QueueEmpty:
             return
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
         t0 = time.perf_counter()
         stamps: list[float] = []
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        async with http.stream(
+            "POST", url + "/v1/completions", json=_body(model, prompt, max_tokens) | {"stream": True}
+        ) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if payload["choices"] and payload["choices"][0]["text"]:
+                if line.startswith("data: ") and line != "data: [DONE]" and _is_token_event(line[6:]):
                     stamps.append(time.perf_counter())
         results.append((t0, stamps, max_tokens))
 
 
-async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: int) -> dict:
+async def _raw_client(url: str, model: str, queue: asyncio.Queue, results: list) -> None:
+    """A lean HTTP/1.1 client on one keep-alive connection (chunked SSE responses parsed by hand): on a machine with
+    few cores, httpx's per-event cost would take CPU from the server it measures."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        while True:
+            try:
+                prompt, max_tokens = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            body = json.dumps(_body(model, prompt, max_tokens) | {"stream": True}).encode()
+            t0 = time.perf_counter()
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (host.encode(), len(body), body)
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
+                raise RuntimeError(f"unexpected response head: {head[:200]!r}")
+            stamps: list[float] = []
+            pending = b""
+            while True:
+                size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+                chunk = (await reader.readexactly(size + 2))[:-2]
+                if size == 0:
+                    break
+                pending += chunk
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    if event.startswith(b"data: {") and _is_token_event(event[6:]):
+                        stamps.append(time.perf_counter())
+            results.append((t0, stamps, max_tokens))
+    finally:
+        writer.close()
+
+
+async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: int, client: str = "raw") -> dict:
     queue: asyncio.Queue = asyncio.Queue()
     for w in work:
         queue.put_nowait(w)
     results: list = []
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*[_client(url, model, queue, results, http) for _ in range(clients)])
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if client == "raw":
+        await asyncio.gather(*[_raw_client(url, model, queue, results) for _ in range(clients)])
+    else:
+        limits = httpx.Limits(max_connections=clients + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            await asyncio.gather(*[_httpx_client(url, model, queue, results, http) for _ in range(clients)])
+    wall = time.perf_counter() - t0
     ttft = [s[0] - t for t, s, _ in results if s]
     itl = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
     tokens = sum(n for _, _, n in results)
@@ -101,18 +148,53 @@ async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: 
     }
 
 
-def _offline(args: argparse.Namespace, work: list[tuple[str, int]]) -> float:
+def _offline(args: argparse.Namespace, work: list[tuple[str, int]], max_num_seqs: int = 256) -> float:
+    """Output tokens/s of ``LLM.generate`` on the whole workload at once (after a warm-up generation), with at most
+    ``max_num_seqs`` sequences per step."""
     import torch
 
     from spinwheel.engine import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model)
+    llm = LLM(args.model, max_num_seqs=max_num_seqs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p for p, _ in work[:8]], params[:8])  # warm-up: first-call costs are not throughput
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params)
     wall = time.perf_counter() - t0
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+
+
+def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> tuple[dict, str]:
+    """Start `spinwheel serve` in ``mode``, run the load, return the client-side figures and /metrics."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    cmd = [sys.executable, "-m", "spinwheel.cli", "serve", "--model", args.model, "--port", str(port)]
+    cmd += ["--served-model-name", "bench", "--log-level", "warning"]
+    cmd += ["--engine-process" if mode == "process" else "--no-engine-process"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"server ({mode}) did not start")
+            time.sleep(0.2)
+        asyncio.run(_run_load(url, "bench", work[:8], min(8, args.clients), args.client))  # warm-up
+        stats = asyncio.run(_run_load(url, "bench", work, args.clients, args.client))
+        return stats, httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -126,58 +208,62 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the offline run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--modes", nargs="+", choices=["process", "thread"], default=["process", "thread"], help="engine modes to run"
+    )
+    ap.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="load generator: a lean asyncio HTTP client (raw) or httpx (heavier per event; the figures before "
+        "the engine process were measured with it)",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each mode (alternating); medians reported")
     args = ap.parse_args()
     work = _workload(args)
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "spinwheel.cli",
-        "serve",
-        "--model",
-        args.model,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("server did not start")
-            time.sleep(0.2)
-        stats = asyncio.run(_run_load(url, "bench", work, args.clients))
-        metrics = httpx.get(url + "/metrics").text
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    offline_tps = _offline(args, work)
     print(
         f"workload: model={args.model} clients={args.clients} requests={args.requests} prompt chars "
         f"{args.min_prompt}-{args.max_prompt} output tokens {args.min_tokens}-{args.max_tokens} (ignore_eos, "
-        f"greedy) threads={args.threads}"
+        f"greedy) threads={args.threads}; client={args.client}; {os.cpu_count()} CPUs"
     )
+    print(f"start: {_load()}")
+    offline: list[float] = []
+    capped: list[float] = []
+    runs: dict[str, list[tuple[dict, str]]] = {mode: [] for mode in args.modes}
+    for r in range(args.repeats):
+        offline.append(_offline(args, work))
+        capped.append(_offline(args, work, args.clients))
+        for mode in args.modes if r % 2 == 0 else args.modes[::-1]:  # alternate, so that drift hits both alike
+            runs[mode].append(_serve(args, work, mode))
+            print(f"run {r + 1} {mode}: {runs[mode][-1][0]['output_tokens_per_s']:.0f} output tok/s; {_load()}")
+    offline.append(_offline(args, work))
+    capped.append(_offline(args, work, args.clients))
+    offline_tps, capped_tps = statistics.median(offline), statistics.median(capped)
     print(
-        f"server : {stats['requests_per_s']:.2f} req/s, {stats['output_tokens_per_s']:.0f} output tok/s, "
-        f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, "
-        f"ITL p50 {stats['itl_p50_ms']:.1f} ms p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s)"
+        f"offline LLM.generate, same workload: median {offline_tps:.0f} output tok/s (runs: "
+        f"{', '.join(f'{x:.0f}' for x in offline)}); with at most {args.clients} sequences per step (the "
+        f"server's concurrency): {capped_tps:.0f} ({', '.join(f'{x:.0f}' for x in capped)})"
     )
-    print(f"offline LLM.generate, same workload: {offline_tps:.0f} output tok/s")
-    print(f"ratio server / offline throughput: {stats['output_tokens_per_s'] / offline_tps:.2f}x")
-    preempt = [line for line in metrics.splitlines() if line.startswith("spinwheel_num_preemptions_total")]
-    print("server metrics:", "; ".join(preempt))
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()}))
+    results = {mode: sorted(rs, key=lambda r: r[0]["output_tokens_per_s"])[len(rs) // 2] for mode, rs in runs.items()}
+    if args.repeats > 1:
+        print(f"server figures: the median run of {args.repeats} per mode")
+    for mode, (stats, metrics) in results.items():
+        preempt = [line for line in metrics.splitlines() if line.startswith("spinwheel_num_preemptions_total")]
+        print(
+            f"server engine={mode:7s}: {stats['requests_per_s']:.2f} req/s, {stats['output_tokens_per_s']:.0f} "
+            f"output tok/s = {stats['output_tokens_per_s'] / offline_tps:.2f}x offline "
+            f"({stats['output_tokens_per_s'] / capped_tps:.2f}x at the same concurrency); TTFT p50 "
+            f"{stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
+            f"p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s; {'; '.join(preempt)})"
+        )
+    print(
+        json.dumps(
+            {
+                m: {k: round(v, 3) if isinstance(v, float) else v for k, v in st.items()}
+                for m, (st, _) in results.items()
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ requests, whose KV blocks are freed at the next step.
 The rooms: ``transport.py`` (connection limits under the HTTP parser), ``middleware.py`` (request body, API key),
 ``protocol.py`` (request bodies), ``params.py`` (request -> ``SamplingParams``), ``completions.py``, ``chat.py``
 and ``tokenization.py`` (the endpoints), ``streaming.py`` (the SSE path both generation endpoints share),
-``generation.py`` (one HTTP request fanned out to engine requests), ``async_engine.py`` (the engine's thread),
-``metrics.py``, ``limits.py``. This module only wires them together.
+``generation.py`` (one HTTP request fanned out to engine requests), ``async_engine.py`` (the engine on a thread) or
+``engine_client.py`` (the engine in its own process), ``metrics.py``, ``limits.py``. This module only wires them
+together.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from spinwheel.engine import LLMEngine
 from spinwheel.server.async_engine import AsyncEngine, EngineDeadError
 from spinwheel.server.chat import ChatCompletions
 from spinwheel.server.completions import Completions
+from spinwheel.server.engine_client import EngineProcess
 from spinwheel.server.limits import ServerLimits
 from spinwheel.server.metrics import ServerMetrics
 from spinwheel.server.middleware import RequestBodyMiddleware, api_key_auth, check_api_key, error_response
@@ -50,9 +52,12 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServer:
+    """The app on an engine: an :class:`LLMEngine` runs on a thread of this process (tests, notebooks, the RL loop),
+    an :class:`EngineProcess` in a process of its own (``spinwheel serve``'s default)."""
+
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | EngineProcess,
         served_model_name: str,
         api_key: str | None = None,
         max_body_bytes: int = 1 << 20,
@@ -66,17 +71,22 @@ class OpenAIServer:
         self.model_name = served_model_name
         self.api_key = api_key
         self.limits = limits = limits or ServerLimits()
-        self.metrics = ServerMetrics(engine)
-        self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
+        self.metrics = ServerMetrics(engine)  # type: ignore[arg-type]  # both have stats()
+        self.async_engine: AsyncEngine | EngineProcess
+        if isinstance(engine, EngineProcess):
+            engine.on_step = self.metrics.observe_step
+            self.async_engine = engine
+            vocab_size = engine.vocab_size
+        else:
+            self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
+            vocab_size = engine.model.config.vocab_size
         self.guard = ConnectionGuard(
             limits.max_connections, limits.header_timeout_s, limits.stall_timeout_s, limits.send_buffer_kb << 10
         )
         self.metrics.watch(
             lambda: self.async_engine.num_unread_outputs, lambda: (len(self.guard.open), self.guard.stats)
         )
-        self.served = ServedModel(
-            served_model_name, engine.model.config.vocab_size, engine.max_model_len, limits.max_sequences_per_request
-        )
+        self.served = ServedModel(served_model_name, vocab_size, engine.max_model_len, limits.max_sequences_per_request)
         count = self.metrics.count_error
         self.completions = Completions(self.served, self.tokenizer, self.async_engine, count)
         self.chat = ChatCompletions(self.served, self.tokenizer, self.async_engine, count)

@@ -4,7 +4,9 @@
 would block an event loop. So the engine lives on one dedicated thread that owns it outright: request handlers
 post ``add`` / ``abort`` commands to a queue, the thread applies them between steps, runs ``step`` while any request
 is unfinished, and hands each :class:`RequestOutput` to the request's mailbox on the event loop with
-``call_soon_threadsafe``. The event loop never waits on the model.
+``call_soon_threadsafe``. The event loop never waits on the model. This is the in-process mode (tests, the RL loop,
+``spinwheel serve --no-engine-process``); :mod:`~spinwheel.server.engine_client` has the same face over an engine
+in its own process.
 
 Outputs are cumulative, so a request's mailbox keeps only the latest: a handler that reads slowly (its client
 does) gets fewer, larger deltas, and one request holds at most one unread output however far behind it falls.
@@ -32,10 +34,10 @@ class EngineStepError(RuntimeError):
     """One engine step raised; the requests in it were aborted and the engine keeps serving."""
 
 
-class _Stream:
+class Stream:
     """One request's mailbox on the event loop: the latest unread output (or the error that ended it)."""
 
-    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, owner: StreamingEngine, loop: asyncio.AbstractEventLoop) -> None:
         self.owner, self.loop = owner, loop
         self.latest: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
@@ -43,9 +45,9 @@ class _Stream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """From the engine thread."""
-        self.loop.call_soon_threadsafe(self._offer, item)
+        self.loop.call_soon_threadsafe(self.offer, item)
 
-    def _offer(self, item: RequestOutput | BaseException) -> None:
+    def offer(self, item: RequestOutput | BaseException) -> None:
         if self.closed or isinstance(self.latest, BaseException):
             return  # nobody reads any more, or a failure already ended the request
         if self.latest is None:
@@ -67,8 +69,51 @@ class _Stream:
         self.closed = True
 
 
-class AsyncEngine:
-    """Drive an :class:`LLMEngine` from asyncio code: ``async for out in engine.generate(...)``."""
+class StreamingEngine:
+    """What request handlers drive: ``async for out in engine.generate(...)``, ``abort``, ``alive``. Subclasses
+    say how a request reaches the engine (``_submit``) and its outputs come back (``Stream.put`` / ``offer``)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None  # why the engine stopped (``alive`` is False then)
+        self.num_unread_outputs = 0  # requests whose latest output waits for its handler (event-loop side)
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as they progress; the last one has ``finished``. Leaving the
+        loop early (a client that disconnected, a cancelled task) aborts the request and frees its blocks."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        stream = Stream(self, asyncio.get_running_loop())
+        self._submit(request_id, prompt, params, stream)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            stream.close()
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None:
+        raise NotImplementedError
+
+
+class AsyncEngine(StreamingEngine):
+    """Drive an :class:`LLMEngine` on a thread of this process."""
 
     def __init__(
         self,
@@ -76,16 +121,15 @@ class AsyncEngine:
         on_step: Callable[[list[RequestOutput], float], None] | None = None,
         idle_wait_s: float = 0.05,
     ) -> None:
+        super().__init__()
         self.engine = engine
         self._on_step = on_step
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._streams: dict[str, Stream] = {}  # touched by the engine thread only
         self._stop = threading.Event()
-        self.error: BaseException | None = None
         self.num_step_errors = 0
-        self.num_unread_outputs = 0  # requests whose latest output waits for its handler (event-loop side)
         self._thread = threading.Thread(target=self._run, name="spinwheel-engine", daemon=True)
         self._thread.start()
 
@@ -104,29 +148,8 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---- asyncio side ----
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs as they progress; the last one has ``finished``. Leaving the
-        loop early (a client that disconnected, a cancelled task) aborts the request and frees its blocks."""
-        if not self.alive:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        stream = _Stream(self, asyncio.get_running_loop())
+    def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None:
         self._post(("add", request_id, prompt, params, stream))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            stream.close()
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

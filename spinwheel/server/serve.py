@@ -1,16 +1,24 @@
-"""``spinwheel serve``: load a checkpoint into the engine and serve it over HTTP with uvicorn."""
+"""``spinwheel serve``: load a checkpoint into the engine and serve it over HTTP with uvicorn.
+
+By default the engine runs in a process of its own (:mod:`~spinwheel.server.engine_process`), so the model's steps
+and the HTTP work do not share one GIL; ``--no-engine-process`` keeps it on a thread of the server's process.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from spinwheel.config import option
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server.app import OpenAIServer
+from spinwheel.server.engine_client import EngineProcess
+from spinwheel.server.engine_process import EngineSpec
 from spinwheel.server.limits import ServerLimits, fit_connections_to_fd_limit
 from spinwheel.server.logs import install_repeat_filter
 from spinwheel.server.middleware import check_api_key
@@ -36,6 +44,16 @@ class ServeConfig(ServerLimits):
     )
     max_body_mb: float = option(1.0, help="largest accepted request body, MiB (larger: HTTP 413)")
     log_level: str = option("info", help="uvicorn log level")
+    engine_process: bool = option(
+        True,
+        help="run the engine in a process of its own, so that model steps and HTTP work do not share a GIL "
+        "(--no-engine-process: on a thread of the server's process)",
+    )
+    engine_restarts: int = option(
+        3,
+        help="times an engine process that died is started again (its requests in flight get 503 error "
+        "objects); after that the server exits with the reason",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +61,8 @@ class ServeConfig(ServerLimits):
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_body_mb <= 0:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+        if self.engine_restarts < 0:
+            raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
 
     def limits(self) -> ServerLimits:
         return ServerLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerLimits)})
@@ -55,10 +75,21 @@ def model_name(config: ServeConfig) -> str:
     return (path.parent.name if path.name == "checkpoint" else path.name) or str(config.model)
 
 
-def build_server(config: ServeConfig, engine_config: EngineConfig | None = None) -> OpenAIServer:
+def build_server(
+    config: ServeConfig,
+    engine_config: EngineConfig | None = None,
+    on_engine_exit: Callable[[str], None] | None = None,
+) -> OpenAIServer:
+    """The server of ``spinwheel serve``; with an engine process, ``on_engine_exit(reason)`` is called when it has
+    died for good (see :class:`EngineProcess`)."""
     api_key = config.api_key or os.environ.get("SPINWHEEL_API_KEY")
     check_api_key(api_key)  # before the checkpoint loads: a key no client can send is a startup error
-    engine = LLMEngine.from_pretrained(config.model, engine_config or EngineConfig())
+    engine_config = engine_config or EngineConfig()
+    engine: LLMEngine | EngineProcess
+    if config.engine_process:
+        engine = EngineProcess(EngineSpec(config.model, engine_config), config.engine_restarts, on_engine_exit)
+    else:
+        engine = LLMEngine.from_pretrained(config.model, engine_config)
     return OpenAIServer(engine, model_name(config), api_key, int(config.max_body_mb * (1 << 20)), config.limits())
 
 
@@ -69,20 +100,36 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
     if note:
         print(f"spinwheel serve: {note}", flush=True)
     config = dataclasses.replace(config, max_connections=max_connections)
-    server = build_server(config, engine_config)
+    engine_gone: list[str] = []
+    http_server: list[uvicorn.Server] = []
+
+    def on_engine_exit(reason: str) -> None:  # from the engine client's reader thread
+        engine_gone.append(reason)
+        logging.getLogger("spinwheel.server").error("%s; the server stops", reason)
+        if http_server:
+            http_server[0].should_exit = True
+
+    try:
+        server = build_server(config, engine_config, on_engine_exit)
+    except RuntimeError as e:  # the engine process could not start: say why in one line
+        raise SystemExit(f"spinwheel serve: error: {e}") from None
     s = server.engine.stats()
+    where = f"engine process pid {server.engine.pid}" if isinstance(server.engine, EngineProcess) else "in-process"
     print(
         f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
-        f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; "
+        f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; engine {where}; "
         f"http://{config.host}:{config.port}/v1",
         flush=True,
     )
     uvicorn_config = server.uvicorn_config(config.host, config.port, config.log_level)  # configures logging
     install_repeat_filter(config.log_repeat_interval_s)
+    http_server.append(uvicorn.Server(uvicorn_config))
     try:
-        uvicorn.Server(uvicorn_config).run()
+        http_server[0].run()
     finally:
         server.shutdown()
+    if engine_gone:
+        raise SystemExit(f"spinwheel serve: error: {engine_gone[0]}")
 
 
 class BackgroundServer:

@@ -1,0 +1,291 @@
+"""The server's side of an engine in its own process (:mod:`~spinwheel.server.engine_process`), with the same
+asyncio face as :class:`~spinwheel.server.async_engine.AsyncEngine`.
+
+Two threads per engine process keep the event loop off the pipe: a writer sends the handlers' commands (every
+command queued since its last write goes in one message, so a burst of requests costs one write), and a reader
+turns each step's deltas back into cumulative outputs and hands them to the requests' mailboxes with one
+``call_soon_threadsafe`` per step, not per request.
+
+Liveness: the pipe closes when the engine process dies (a crash, the OOM killer, SIGKILL). The reader then fails
+every request in flight with :class:`EngineDeadError` (an OpenAI error object for its client, 503), ``alive`` is
+False (``/health`` answers 503) and new requests are refused at once, then the process is started again, up to
+``max_restarts`` times; after that ``on_exit`` is called with the reason, and ``spinwheel serve`` exits with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as torch_mp  # registers the reducers that share a model's tensors with the child
+
+from spinwheel.engine import EngineStats, RequestOutput, SamplingParams
+from spinwheel.server.async_engine import EngineDeadError, Stream, StreamingEngine
+from spinwheel.server.engine_process import EngineInfo, EngineSnapshot, EngineSpec, dumps, run_engine_process
+from spinwheel.server.output_deltas import DeltaDecoder
+
+logger = logging.getLogger(__name__)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+def _offer_all(items: list[tuple[Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.offer(item)
+
+
+def _deliver(items: list[tuple[Stream, RequestOutput | BaseException]]) -> None:
+    """Hand outputs to their mailboxes: one callback per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_offer_all, batch)
+        except RuntimeError:  # that loop has closed: nobody is reading
+            pass
+
+
+class _Child:
+    """One engine process: the process, its end of the pipe and the writer's queue."""
+
+    def __init__(self, spec: EngineSpec, start_timeout_s: float) -> None:
+        ctx = torch_mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=run_engine_process, args=(spec, child_conn), name="spinwheel-engine", daemon=True
+        )
+        self.proc.start()
+        child_conn.close()  # the child's end lives in the child only: its death closes the pipe
+        self.info = self._wait_ready(start_timeout_s)
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        threading.Thread(target=self._write, name="spinwheel-engine-writer", daemon=True).start()
+
+    def _wait_ready(self, timeout_s: float) -> EngineInfo:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.conn.poll(0.2):
+                if not self.proc.is_alive():
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"the engine process did not start within {timeout_s:g} s")
+            message = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self.proc.join(5)
+            self.close()
+            raise RuntimeError(f"the engine process {describe_exit(self.proc.exitcode)} while starting") from None
+        if message[0] != "ready":
+            self.close()
+            raise RuntimeError(f"the engine could not start: {message[1]}")
+        return message[1]
+
+    def post(self, command: tuple) -> None:
+        self.outbox.put(command)
+        self.wake.set()
+
+    def _write(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            batch = []
+            while True:
+                try:
+                    batch.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            if not batch:
+                continue
+            try:
+                self.conn.send_bytes(dumps(batch))
+            except (OSError, ValueError):  # the process died (the reader reports it) or the pipe was closed
+                return
+            if batch[-1][0] == "shutdown":
+                return
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+
+class EngineProcess(StreamingEngine):
+    """Drive an engine that runs in its own process, built there from ``spec``. The constructor returns once the
+    engine has loaded (RuntimeError if it cannot). ``on_step(outputs, step_s)`` (metrics) runs on the reader
+    thread after every step; ``on_exit(reason)`` once, when the engine has died and will not be restarted."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        max_restarts: int = 3,
+        on_exit: Callable[[str], None] | None = None,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__()
+        self.spec, self.config = spec, spec.config
+        self.tokenizer = spec.load_tokenizer()
+        self.max_restarts, self.on_exit, self.start_timeout_s = max_restarts, on_exit, start_timeout_s
+        self.on_step: Callable[[list[RequestOutput], float], None] | None = None
+        self.num_restarts = 0
+        self._lock = threading.Lock()  # guards _streams and error between the event loop and the reader
+        self._streams: dict[str, Stream] = {}
+        self._closing = False
+        self._last_progress = time.monotonic()
+        self._start()
+
+    def _start(self) -> None:
+        child = _Child(self.spec, self.start_timeout_s)
+        self.info = child.info
+        self._snapshot = EngineSnapshot(child.info.stats, False, 0, 0)
+        self._decoder = DeltaDecoder()
+        self._child = child
+        if self._closing:  # shut down while this one was starting (a restart)
+            child.close()
+            return
+        threading.Thread(target=self._read, args=(child,), name="spinwheel-engine-client", daemon=True).start()
+        with self._lock:
+            self.error = None
+
+    # ---- what the server reads ----
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self._closing
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    def stats(self) -> EngineStats:
+        """The engine's stats after its latest step."""
+        return self._snapshot.stats
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._streams) or self._snapshot.has_unfinished
+
+    def seconds_without_progress(self, now: float | None = None) -> float:
+        """How long requests have been in flight without a step that produced output (0 when idle), measured here:
+        an engine process that hangs sends nothing at all."""
+        if not self.has_unfinished_requests():
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self._last_progress)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        child = self._child
+        child.post(("shutdown",))
+        child.proc.join(timeout)
+        child.close()
+
+    # ---- asyncio side ----
+    def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None:
+        with self._lock:
+            error = self.error
+            if error is None:
+                if not self._streams and not self._snapshot.has_unfinished:
+                    self._last_progress = time.monotonic()  # work arrives at an idle engine: a stall counts from now
+                self._streams[request_id] = stream
+                self._child.post(("add", request_id, prompt, params))
+        if error is not None:  # died between the caller's check and now
+            stream.offer(EngineDeadError(f"the engine has stopped: {error!r}"))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._streams.pop(request_id, None) is not None and self.error is None:
+                self._child.post(("abort", request_id))
+
+    # ---- the reader thread ----
+    def _read(self, child: _Child) -> None:
+        while True:
+            try:
+                message = pickle.loads(child.conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if message[0] == "step":
+                self._on_step(*message[1:])
+            elif message[0] == "failed":
+                self._on_failed(*message[1:])
+        self._on_exit(child)
+
+    def _on_step(self, deltas: list, step_s: float, snapshot: EngineSnapshot) -> None:
+        outputs = [self._decoder.decode(d) for d in deltas]
+        self._snapshot = snapshot
+        if outputs:
+            self._last_progress = time.monotonic()
+        items: list[tuple[Stream, Any]] = []
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted by its handler
+                if out.finished:
+                    del self._streams[out.request_id]
+                items.append((stream, out))
+        _deliver(items)
+        if self.on_step is not None:
+            self.on_step(outputs, step_s)
+
+    def _on_failed(self, request_ids: list[str], error: BaseException) -> None:
+        with self._lock:
+            items = [(self._streams.pop(rid), error) for rid in request_ids if rid in self._streams]
+        for rid in request_ids:
+            self._decoder.forget(rid)
+        _deliver(items)
+
+    def _on_exit(self, child: _Child) -> None:
+        child.proc.join(5)
+        if self._closing:
+            return
+        reason = f"the engine process (pid {child.proc.pid}) {describe_exit(child.proc.exitcode)}"
+        logger.error("%s; failing the requests in flight", reason)
+        error = EngineDeadError(reason)
+        with self._lock:
+            self.error = error
+            items = [(stream, error) for stream in self._streams.values()]
+            self._streams.clear()
+        _deliver(items)
+        child.close()
+        if self.num_restarts < self.max_restarts:
+            self.num_restarts += 1
+            logger.warning("restarting the engine process (restart %d of %d)", self.num_restarts, self.max_restarts)
+            try:
+                self._start()
+                logger.warning("the engine process is back (pid %d)", self.pid)
+                return
+            except RuntimeError as e:
+                reason = f"{reason}, and a new one could not start: {e}"
+                with self._lock:
+                    self.error = EngineDeadError(reason)
+        else:
+            reason = f"{reason} ({self.max_restarts} restart(s) allowed, all used)"
+        logger.error("%s", reason)
+        if self.on_exit is not None:
+            self.on_exit(reason)

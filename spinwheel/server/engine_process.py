@@ -1,0 +1,234 @@
+"""The engine core in its own process: it only schedules and runs steps (what vLLM V1's ``EngineCore`` does).
+
+A server that steps the engine on a thread of its own process shares one GIL between the model's Python work and
+the event loop's HTTP, JSON and streaming work; each slows the other. Here the engine runs in a child process
+(``multiprocessing`` spawn, so no CUDA or thread state is forked) and talks to the server over one duplex pipe
+(:mod:`multiprocessing.connection`: length-prefixed pickles):
+
+- server -> engine: lists of commands, ``("add", request_id, prompt_token_ids, SamplingParams)``,
+  ``("abort", request_id)``, ``("shutdown",)``; a reader thread here queues them, the core applies them between
+  steps, so requests that arrive during a step join the next one together.
+- engine -> server: ``("ready", EngineInfo)`` once loaded, then one ``("step", deltas, step_s, EngineSnapshot)``
+  per step with every request's output delta of that step (:mod:`~spinwheel.server.output_deltas`), and
+  ``("failed", request_ids, exception)`` for requests that could not be added or whose step raised.
+
+The core exits when told to or when the pipe closes (the server went away), and ignores SIGINT: Ctrl-C in a
+terminal reaches the whole process group, and the server, not the engine, decides how to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
+from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.models.transformer import Transformer
+from spinwheel.server.async_engine import EngineStepError
+from spinwheel.server.output_deltas import DeltaEncoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSpec:
+    """What the engine process builds its engine from (pickled to it once, at start)."""
+
+    model: str | Transformer  # checkpoint directory, Hub id or preset; or a model, whose tensors are shared
+    config: EngineConfig
+    tokenizer: Tokenizer | None = None  # default: the checkpoint's (load_tokenizer)
+    num_threads: int | None = None  # torch threads of the engine process (None: torch's default)
+
+    def load_tokenizer(self) -> Tokenizer:
+        from spinwheel.models import load_tokenizer
+
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if isinstance(self.model, Transformer):
+            raise ValueError("an EngineSpec with a model object needs its tokenizer")
+        return load_tokenizer(self.model)
+
+    def build(self) -> LLMEngine:
+        if isinstance(self.model, Transformer):
+            return LLMEngine(self.model, self.load_tokenizer(), self.config)
+        return LLMEngine.from_pretrained(self.model, self.config, self.load_tokenizer())
+
+
+@dataclass
+class EngineInfo:
+    """What the server needs to know of the engine it did not build."""
+
+    pid: int
+    vocab_size: int
+    max_model_len: int
+    stats: EngineStats
+
+
+@dataclass
+class EngineSnapshot:
+    """The engine's state after a step: its stats, and the accounts a leak check reads."""
+
+    stats: EngineStats
+    has_unfinished: bool  # requests the engine holds (running, waiting, swapped, or finishing)
+    num_block_tables: int  # sequences holding device or CPU blocks
+    num_used_blocks: int
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def picklable(e: BaseException) -> BaseException:
+    """``e`` if it crosses the pipe intact, else a RuntimeError with its repr."""
+    try:
+        pickle.loads(dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any failure to round-trip means: send the text instead
+        return RuntimeError(repr(e))
+
+
+def snapshot(engine: LLMEngine) -> EngineSnapshot:
+    bm = engine.block_manager
+    return EngineSnapshot(
+        engine.stats(),
+        engine.has_unfinished_requests(),
+        len(bm.block_tables) + len(bm.cpu_block_tables),
+        bm.num_used_blocks,
+    )
+
+
+class EngineCore:
+    """The child's loop: apply the queued commands, step while work remains, send each step's deltas."""
+
+    def __init__(self, engine: LLMEngine, conn: Connection, idle_wait_s: float = 1.0) -> None:
+        self.engine, self.conn, self.idle_wait_s = engine, conn, idle_wait_s
+        self.encoder = DeltaEncoder()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._live: set[str] = set()  # requests added and not yet finished
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read, name="spinwheel-engine-reader", daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name="spinwheel-engine-writer", daemon=True)
+        self._writer.start()
+
+    def _read(self) -> None:
+        """Drain the pipe as commands arrive (so the server's writes never wait on a step)."""
+        while True:
+            try:
+                batch = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                batch = [("shutdown",)]  # the server went away
+            for command in batch:
+                self._commands.put(command)
+            self._wake.set()
+            if batch and batch[-1][0] == "shutdown":
+                return
+
+    def _send(self, message: tuple) -> None:
+        self._outbox.put(dumps(message))
+
+    def _write(self) -> None:
+        """Write to the pipe off the stepping thread: a write wakes the server's reader, and on a busy machine the
+        scheduler may run it in the writer's place; meanwhile the next step goes on here. Ends with ``None``."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the server went away: the reader sees it too and stops the core
+                return
+
+    def close(self) -> None:
+        """Send what is queued, then stop the writer."""
+        self._outbox.put(None)
+        self._writer.join(10)
+
+    def _apply_commands(self) -> None:
+        failed: list[tuple[str, BaseException]] = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                _, request_id, prompt, params = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as e:  # a bad request: its handler gets the error, the engine keeps serving
+                    failed.append((request_id, picklable(e)))
+                    continue
+                self._live.add(request_id)
+            elif command[0] == "abort":
+                self.engine.abort(command[1])  # its final output (finish_reason "abort") comes with the next step
+            else:
+                self._stop = True
+        for request_id, e in failed:
+            self._send(("failed", [request_id], e))
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            self._apply_commands()
+            if self._stop:
+                return
+            if not engine.has_unfinished_requests():
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                outputs = engine.step(stream=True)
+            except Exception as e:  # an engine bug on some input: fail the requests in flight, keep serving
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(EngineStepError(f"the engine failed on this batch: {e!r}"))
+                continue
+            step_s = time.monotonic() - t0
+            deltas = [self.encoder.encode(out) for out in outputs]
+            for out in outputs:
+                if out.finished:
+                    self._live.discard(out.request_id)
+            self._send(("step", deltas, step_s, snapshot(engine)))
+
+    def _fail_all(self, error: Exception) -> None:
+        failed = sorted(self._live)
+        for request_id in failed:
+            self.encoder.forget(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - best effort; the error reaches the client either way
+                logger.exception("abort of %s failed", request_id)
+        self._live.clear()
+        try:
+            self.engine.step(stream=False)  # let the engine free the aborted requests' blocks
+        except Exception:  # noqa: BLE001
+            logger.exception("engine step after a failure also failed")
+        self._send(("failed", failed, picklable(error)))
+
+
+def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
+    """The engine process's entry point (``multiprocessing`` target): build the engine, say ready, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if spec.num_threads is not None:
+            import torch
+
+            torch.set_num_threads(spec.num_threads)
+        engine = spec.build()
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which says why it cannot start
+        conn.send_bytes(dumps(("start_failed", f"{type(e).__name__}: {e}")))
+        return
+    info = EngineInfo(os.getpid(), engine.model.config.vocab_size, engine.max_model_len, engine.stats())
+    conn.send_bytes(dumps(("ready", info)))
+    core = EngineCore(engine, conn)
+    try:
+        core.run()
+    finally:
+        core.close()
+        conn.close()
