@@ -23,6 +23,11 @@ import torch.distributed as dist
 ReduceOp = dist.ReduceOp
 
 
+# PyTorch 2.13 renamed the fused-tensor collectives (``*_single``) and warns on every call of the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclass
 class CommStats:
     """Per-rank communication volume (ZeRO accounting): totals keyed by operation name, and calls and bytes keyed
@@ -120,7 +125,7 @@ class Comm:
         if axis.size == 1:
             output.copy_(input.view_as(output))
             return Handle(None, None)
-        work = dist.reduce_scatter_tensor(output, input, op=op, group=axis.group, async_op=True)
+        work = _reduce_scatter_tensor(output, input, op=op, group=axis.group, async_op=True)
         return self._finish(work, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis, async_op: bool = False) -> Handle:
@@ -129,7 +134,7 @@ class Comm:
         if axis.size == 1:
             output.copy_(input.view_as(output))
             return Handle(None, None)
-        work = dist.all_gather_into_tensor(output, input, group=axis.group, async_op=True)
+        work = _all_gather_tensor(output, input, group=axis.group, async_op=True)
         return self._finish(work, async_op)
 
     def all_gather_list(self, input: torch.Tensor, axis) -> list[torch.Tensor]:
