@@ -48,6 +48,8 @@ def config_changes(stored: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """The options set differently in ``new`` than in ``stored`` (fields only one of them has are skipped: a
     checkpoint from an older spinwheel lacks the newer options)."""
     old, cur = _flatten(stored), _flatten(new)
+    if isinstance(old.get("parallel.remat"), bool):  # before re-materialisation had modes it was on or off
+        old["parallel.remat"] = "block" if old["parallel.remat"] else "none"
     return [Change(k, old[k], cur[k]) for k in cur if k in old and old[k] != cur[k]]
 
 

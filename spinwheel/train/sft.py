@@ -62,6 +62,10 @@ RESUME_HARMLESS = {
     "num_threads",
     "progress",
     "parallel.timeout_s",
+    # re-materialisation recomputes the same values: it changes memory and time, never the trajectory
+    "parallel.remat",
+    "parallel.remat_k",
+    "parallel.remat_partition",
 }
 
 
