@@ -153,6 +153,20 @@ def test_messages_lines_render_with_the_chat_template(tmp_path):
         load_prompts(small_config(tmp_path, data=str(data)), tok)
 
 
+def test_resume_refuses_what_changes_the_run_and_a_finished_run_does_nothing(tmp_path, capsys):
+    train_rl(small_config(tmp_path, steps=3, stop_after=2))
+    with pytest.raises(ValueError, match=r"other settings \(--lr 0.003 -> 0.001\).*--force"):
+        train_rl(small_config(tmp_path, steps=3, lr=1e-3))
+    capsys.readouterr()
+    result = train_rl(small_config(tmp_path, steps=3, eval_every=1))  # a cadence change is taken
+    assert result["start_step"] == 2 and result["end_step"] == 3
+    assert "resuming from step 2 of 3" in capsys.readouterr().out
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    again = train_rl(small_config(tmp_path, steps=3))
+    assert again["finished"] and "the run is finished, nothing to do" in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines  # nothing appended
+
+
 def test_grpo_loop_one_process(tmp_path):
     result = train_rl(small_config(tmp_path, steps=3, eval_every=2))
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward_mean" in r]

@@ -10,9 +10,31 @@ a different run than the one the checkpoint continues, so they are refused unles
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+# Options that only change what is observed or when, or how the same values are computed: changing them on
+# resume keeps the run exact (re-materialisation recomputes what it dropped; it changes memory and time only).
+OBSERVATION_OPTIONS = frozenset(
+    {
+        "out_dir",
+        "eval_every",
+        "eval_examples",
+        "save_every",
+        "stop_after",
+        "resume",
+        "force",
+        "num_threads",
+        "progress",
+        "parallel.timeout_s",
+        "parallel.remat",
+        "parallel.remat_k",
+        "parallel.remat_partition",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -69,3 +91,35 @@ def check_resume(
             "continue with the new ones, or --no-resume to start over"
         )
     return changes
+
+
+def resume_point(
+    config: Any, state: dict[str, Any], ckpt_dir: Path, harmless: Collection[str]
+) -> tuple[int, list[Change]]:
+    """The checkpoint's step and the options changed since (``config``: a run config with ``steps``,
+    ``min_lr_ratio`` and ``force``); refuses what breaks exact resume and a checkpoint already past ``--steps``."""
+    start_step = int(state["step"])
+    if start_step > config.steps:
+        raise ValueError(
+            f"{ckpt_dir} is at step {start_step}, past --steps {config.steps}; rerun with --steps "
+            f">= {start_step}, or --no-resume to start over"
+        )
+    # --steps sets the length of the cosine decay, so it changes every later learning rate unless lr is constant.
+    harmless = set(harmless) | ({"steps"} if config.min_lr_ratio == 1 else set())
+    changes = check_resume(state.get("config"), dataclasses.asdict(config), harmless, config.force, str(ckpt_dir))
+    return start_step, changes
+
+
+def resume_message(start_step: int, steps: int, ckpt_dir: Path, changes: list[Change]) -> str:
+    """The line a resumed run prints: where it continues and what changed."""
+    shown = [str(c) for c in changes if c.key not in ("resume", "force")]
+    return f"resuming from step {start_step} of {steps} ({ckpt_dir})" + (
+        f"; changed: {', '.join(shown)}" if shown else ""
+    )
+
+
+def finished_message(start_step: int, steps: int, ckpt_dir: Path) -> str:
+    return (
+        f"{ckpt_dir} is at step {start_step} of {steps}: the run is finished, nothing to do "
+        "(--no-resume or another --out-dir starts a new run)"
+    )

@@ -43,30 +43,13 @@ from spinwheel.train.learners import (
 )
 from spinwheel.train.metrics import MetricsLogger, plot_curves
 from spinwheel.train.optim import lr_at
-from spinwheel.train.resume import Change, check_resume
+from spinwheel.train.resume import OBSERVATION_OPTIONS, finished_message, resume_message, resume_point
 from spinwheel.train.sft_config import SFTConfig
 from spinwheel.train.sft_data import batch_indices, build_data, collate, trainer_batch
 
 OnEval = Callable[[int, dict[str, Any]], None]
 # Options that only change what is observed or when: changing them on resume keeps the run exact.
-RESUME_HARMLESS = {
-    "out_dir",
-    "eval_every",
-    "eval_examples",
-    "max_new_tokens",
-    "eval_engine",
-    "save_every",
-    "stop_after",
-    "resume",
-    "force",
-    "num_threads",
-    "progress",
-    "parallel.timeout_s",
-    # re-materialisation recomputes the same values: it changes memory and time, never the trajectory
-    "parallel.remat",
-    "parallel.remat_k",
-    "parallel.remat_partition",
-}
+RESUME_HARMLESS = OBSERVATION_OPTIONS | {"max_new_tokens", "eval_engine"}  # SFT generates only to evaluate
 
 
 def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool = False) -> dict[str, Any]:
@@ -91,21 +74,6 @@ def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool =
         return run_sft(config, make_learner, on_eval, announce)
 
 
-def _resume_point(config: SFTConfig, state: dict[str, Any], ckpt_dir: Path) -> tuple[int, list[Change]]:
-    """The checkpoint's step and the options changed since; refuses what breaks exact resume (see
-    :mod:`~spinwheel.train.resume`) and a checkpoint already past ``--steps``."""
-    start_step = int(state["step"])
-    if start_step > config.steps:
-        raise ValueError(
-            f"{ckpt_dir} is at step {start_step}, past --steps {config.steps}; rerun with --steps "
-            f">= {start_step}, or --no-resume to start over"
-        )
-    # --steps sets the length of the cosine decay, so it changes every later learning rate unless lr is constant.
-    harmless = RESUME_HARMLESS | ({"steps"} if config.min_lr_ratio == 1 else set())
-    changes = check_resume(state.get("config"), dataclasses.asdict(config), harmless, config.force, str(ckpt_dir))
-    return start_step, changes
-
-
 def run_sft(
     config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: OnEval | None = None, announce: bool = False
 ) -> dict[str, Any]:
@@ -113,15 +81,11 @@ def run_sft(
     out_dir = Path(config.out_dir)
     ckpt_dir = out_dir / "checkpoint"
     state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
-    start_step, changes = _resume_point(config, state, ckpt_dir) if state is not None else (0, [])
+    start_step, changes = resume_point(config, state, ckpt_dir, RESUME_HARMLESS) if state is not None else (0, [])
     main = is_main_process()
     if state is not None and start_step == config.steps:
         if main:
-            print(
-                f"{ckpt_dir} is at step {start_step} of {config.steps}: the run is finished, nothing to do "
-                "(--no-resume or another --out-dir starts a new run)",
-                flush=True,
-            )
+            print(finished_message(start_step, config.steps, ckpt_dir), flush=True)
         return {"start_step": start_step, "end_step": start_step, "finished": True, "checkpoint": str(ckpt_dir)}
     tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
     torch.manual_seed(config.seed)
@@ -144,12 +108,7 @@ def run_sft(
                 flush=True,
             )
         if state is not None:
-            shown = [str(c) for c in changes if c.key not in ("resume", "force")]
-            print(
-                f"resuming from step {start_step} of {config.steps} ({ckpt_dir})"
-                + (f"; changed: {', '.join(shown)}" if shown else ""),
-                flush=True,
-            )
+            print(resume_message(start_step, config.steps, ckpt_dir, changes), flush=True)
         if data.num_dropped:
             print(f"dropped {data.num_dropped} examples longer than --max-seq-len {config.max_seq_len}", flush=True)
     learner = make_learner(model)

@@ -95,7 +95,12 @@ class RLConfig:
         help="seed of the prompt order and of every sample (a function of seed, step, prompt, "
         "sample: the same completions in one process and under any torchrun layout)",
     )
-    resume: bool = option(True, help="resume from <out_dir>/checkpoint when it exists")
+    resume: bool = option(
+        True,
+        help="resume from <out_dir>/checkpoint when it exists (options that would change the run's course, e.g. "
+        "--lr or --group-size, are refused there unless --force)",
+    )
+    force: bool = option(False, help="resume even with options that change the run's course (the changes are printed)")
     dtype: str = option("float32", help="parameter dtype: float32, bfloat16 or float16 (GPUs)")
     device: str = option("cpu", help="torch device, e.g. cpu or cuda")
     num_threads: int = option(0, help="torch CPU threads (0: PyTorch's default)")

@@ -39,9 +39,17 @@ from spinwheel.rl.token_losses import kl_per_token, logprob_mismatch, token_weig
 from spinwheel.tasks.arithmetic import evaluate
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.interrupt import StopOnSignal
-from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
+from spinwheel.train.learners import (
+    Learner,
+    LocalLearner,
+    OptimConfig,
+    ParallelLearner,
+    distributed_world,
+    is_main_process,
+)
 from spinwheel.train.metrics import MetricsLogger, plot_curves
 from spinwheel.train.optim import lr_at
+from spinwheel.train.resume import OBSERVATION_OPTIONS, finished_message, resume_message, resume_point
 from spinwheel.train.sft_data import batch_indices
 
 
@@ -74,6 +82,14 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     config.parallel.check_batch(config.rollout_batch // config.minibatches, dims.dp, what="the minibatch of")
     out_dir, ckpt_dir = Path(config.out_dir), Path(config.out_dir) / "checkpoint"
     state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
+    start_step, changes = resume_point(config, state, ckpt_dir, OBSERVATION_OPTIONS) if state is not None else (0, [])
+    main = is_main_process()
+    if state is not None and start_step == config.steps:
+        if main:
+            print(finished_message(start_step, config.steps, ckpt_dir), flush=True)
+        return {"start_step": start_step, "end_step": start_step, "finished": True, "checkpoint": str(ckpt_dir)}
+    if state is not None and main:
+        print(resume_message(start_step, config.steps, ckpt_dir, changes), flush=True)
     tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
     pad_id = tokenizer.pad_id or 0
     load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
@@ -97,10 +113,8 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
         out_dir / "critic" if state is not None else None,
         int(state["step"]) if state is not None else 0,
     )
-    start_step = 0
     if state is not None:
         learner.load(ckpt_dir, state)
-        start_step = int(state["step"])
     train_prompts, eval_prompts = load_prompts(config, tokenizer)
     if config.reward_model is not None:  # scores (prompt, completion); the loop hands it the prompts' texts
         from spinwheel.rl.llm.reward_model import reward_model_fn
