@@ -16,6 +16,7 @@ run without the buffer bit for bit (the buffer holds copies of the same values).
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -29,6 +30,7 @@ from spinwheel.parallel import ParallelConfig, ParallelDims, ParallelTrainer, pa
 from spinwheel.parallel.remat import SavedBytes, apply_remat
 from spinwheel.parallel.remat_buffer import CheckpointBuffer
 from spinwheel.parallel.remat_partition import WholeInput
+from spinwheel.parallel.remat_region import CheckpointRegion
 from spinwheel.parallel.tensor import vocab_parallel_cross_entropy
 
 VOCAB, B, T, L, LR, STEPS = 64, 3, 10, 6, 0.1, 3
@@ -166,6 +168,22 @@ def test_a_retained_graph_keeps_its_slots_until_the_last_backward():
         grads[contiguous] = {n: p.grad for n, p in model.named_parameters()}
     for name, g in grads[False].items():
         assert torch.equal(grads[True][name], g), name
+
+
+def test_regions_are_freed_with_their_graph_not_by_the_cycle_collector():
+    """What a slot's release (and any checkpoint's memory) relies on: once backward has run, no region survives,
+    even with Python's cyclic garbage collector off."""
+    model = Transformer(CONFIG).init_weights(seed=1)
+    apply_remat(model, "block")
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(2):
+            ids = batch(step)
+            F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+            assert not [o for o in gc.get_objects() if isinstance(o, CheckpointRegion)], step
+    finally:
+        gc.enable()
 
 
 def test_trainer_option_equals_the_run_without_it():
