@@ -32,6 +32,8 @@ from spinwheel.parallel.remat_buffer import CheckpointBuffer
 from spinwheel.parallel.remat_partition import WholeInput
 from spinwheel.parallel.remat_region import CheckpointRegion
 from spinwheel.parallel.tensor import vocab_parallel_cross_entropy
+from spinwheel.train.resume import check_resume
+from spinwheel.train.sft import RESUME_HARMLESS
 
 VOCAB, B, T, L, LR, STEPS = 64, 3, 10, 6, 0.1, 3
 CONFIG = preset_config("test", VOCAB, num_hidden_layers=L)
@@ -211,6 +213,10 @@ def test_option_is_checked_and_spelled():
     assert ParallelConfig(remat="block", remat_contiguous=True).remat_contiguous
     assert build_parser().parse_args(["sft", "--remat", "--remat-contiguous"]).remat_contiguous
     assert not build_parser().parse_args(["sft", "--remat"]).remat_contiguous
+    # The buffer holds copies of the same values: a run may resume with it switched on or off.
+    stored, new = {"parallel": {"remat_contiguous": False}}, {"parallel": {"remat_contiguous": True}}
+    changes = check_resume(stored, new, RESUME_HARMLESS, force=False, where="ckpt")
+    assert [c.key for c in changes] == ["parallel.remat_contiguous"]
 
 
 TP, PA_STEPS = 2, 3

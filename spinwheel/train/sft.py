@@ -66,6 +66,7 @@ RESUME_HARMLESS = {
     "parallel.remat",
     "parallel.remat_k",
     "parallel.remat_partition",
+    "parallel.remat_contiguous",
 }
 
 
