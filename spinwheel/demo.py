@@ -30,8 +30,8 @@ class DemoConfig:
 
     out_dir: str = option("runs/demo", help="where sft/ and grpo/ are written (replaced if a previous demo's)")
     sft_steps: int = option(300, help="SFT optimizer steps (short on purpose: GRPO needs headroom)")
-    grpo_steps: int = option(600, help="GRPO rollout steps")
-    grpo_prompts: int = option(32, help="GRPO prompts per step (8 completions each)")
+    grpo_steps: int = option(900, help="GRPO rollout steps")
+    grpo_prompts: int = option(64, help="GRPO prompts per step (8 completions each)")
     grpo_lr: float = option(1e-4, help="GRPO learning rate (constant)")
     eval_examples: int = option(500, help="held-out problems per evaluation")
     seed: int = option(0, help="seed of the model init, the data order and the samples")

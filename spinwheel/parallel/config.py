@@ -21,7 +21,7 @@ def check_data_parallel(zero: int, fsdp: bool) -> None:
         raise ParallelError("--fsdp/--hsdp and --zero are alternatives (ZeRO-3 is FSDP without prefetch); pick one")
 
 
-def check_remat(remat: str, k: int | None, partition: str, tp: int, pp: int) -> None:
+def check_remat(remat: str, k: int | None, partition: str, tp: int, pp: int, contiguous: bool = False) -> None:
     """The one check of the re-materialisation choice (the config and :func:`~spinwheel.parallel.parallelize`)."""
     if remat not in REMAT_MODES:
         raise ParallelError(f"--remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
@@ -36,6 +36,8 @@ def check_remat(remat: str, k: int | None, partition: str, tp: int, pp: int) -> 
         )
     if partition != "none" and remat == "none":
         raise ParallelError(f"--remat-partition {partition} partitions checkpoints: choose a --remat mode too")
+    if contiguous and remat == "none":
+        raise ParallelError("--remat-contiguous keeps checkpoints in one buffer: choose a --remat mode too")
     if partition != "none" and tp == 1:
         raise ParallelError(
             f"--remat-partition {partition} splits checkpoints across the tensor-parallel group: it needs --tp > 1"
@@ -80,6 +82,11 @@ class ParallelConfig:
         help="ZeRO-R: keep each checkpoint as this rank's 1/tp slice, all-gathered before recomputation (tp), "
         "and in host memory (tp-cpu); needs --tp > 1",
     )
+    remat_contiguous: bool = option(
+        False,
+        help="ZeRO-R memory defragmentation: keep every checkpoint in one contiguous buffer, sized from the first "
+        "step and reused (one copy per checkpoint; grows when a later step needs more)",
+    )
     bucket_mb: float = option(25.0, help="gradient bucket size cap in MiB (DDP, ZeRO-1/2)")
     fsdp_param_dtype: Literal["bf16", "fp16", "fp32"] | None = option(
         None,
@@ -118,7 +125,7 @@ class ParallelConfig:
             raise ParallelError(f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
         if isinstance(self.remat, bool):  # remat=True / False from code written before the modes
             self.remat = "block" if self.remat else "none"
-        check_remat(self.remat, self.remat_k, self.remat_partition, self.tp, self.pp)
+        check_remat(self.remat, self.remat_k, self.remat_partition, self.tp, self.pp, self.remat_contiguous)
 
     def mixed_precision(self) -> MixedPrecisionPolicy | None:
         """The FSDP/ZeRO-3 mixed-precision policy these options ask for (None: parameters' own dtype throughout)."""

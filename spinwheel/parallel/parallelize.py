@@ -6,7 +6,8 @@
    wraps the parameters);
 3. **re-materialisation** — checkpoint each block, segments of k blocks or the whole stage (inside TP, so
    recomputation re-runs TP's collectives and may keep its checkpoints partitioned over the TP group, and inside the
-   data-parallel wrapper, whose hooks sit around each block's call);
+   data-parallel wrapper, whose hooks sit around each block's call); optionally with every checkpoint in one
+   contiguous buffer (ZeRO-R's MD, :mod:`~spinwheel.parallel.remat_buffer`);
 4. **data parallelism** — exactly one of DDP (``zero=0``), ZeRO-1/2 (``zero=1|2``), ZeRO-3 (``zero=3``: FSDP units,
    no prefetch), FSDP (``fsdp``) or HSDP (``hsdp=F``) over the ``dp`` axis; it wraps last because it owns the final
    parameter storage (buckets, flat shards). The fully sharded ones take a mixed-precision policy and a
@@ -28,6 +29,7 @@ from spinwheel.parallel.mesh import ParallelDims, ParallelError
 from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage
 from spinwheel.parallel.remat import apply_remat
+from spinwheel.parallel.remat_buffer import CheckpointBuffer
 from spinwheel.parallel.remat_partition import PartitionedInput, WholeInput
 from spinwheel.parallel.tensor import apply_tensor_parallel
 from spinwheel.parallel.zero import ZeroDataParallel
@@ -38,7 +40,8 @@ class ParallelModel:
     """A model after :func:`parallelize`.
 
     ``module`` is what to call (the data-parallel wrapper), ``stage`` the model or pipeline stage inside it,
-    ``tp_shard_dims`` the tensor-parallel split of each sharded parameter, ``pipeline`` the schedule when pp > 1.
+    ``tp_shard_dims`` the tensor-parallel split of each sharded parameter, ``pipeline`` the schedule when pp > 1,
+    ``remat_buffer`` the contiguous checkpoint buffer with ``remat_contiguous``.
     """
 
     module: nn.Module
@@ -47,6 +50,7 @@ class ParallelModel:
     dp_kind: str
     tp_shard_dims: dict[str, int] = field(default_factory=dict)
     pipeline: PipelineSchedule | None = None
+    remat_buffer: CheckpointBuffer | None = None
 
 
 def parallelize(
@@ -62,19 +66,21 @@ def parallelize(
     fsdp_buffer_mb: float | None = None,
     remat_k: int | None = None,
     remat_partition: str = "none",
+    remat_contiguous: bool = False,
 ) -> ParallelModel:
     """Cut, shard and wrap ``model`` for the layout ``dims`` (see the module docstring for the order).
 
     ``mixed_precision`` and ``fsdp_buffer_mb`` (constant-size buffers) apply to the fully sharded layouts;
     ``remat``: none / block / every-k (``remat_k`` blocks per segment) / stage, ``True`` meaning block;
-    ``remat_partition``: none / tp (Pa) / tp-cpu (Pa+cpu), see :mod:`~spinwheel.parallel.remat`."""
+    ``remat_partition``: none / tp (Pa) / tp-cpu (Pa+cpu), see :mod:`~spinwheel.parallel.remat`;
+    ``remat_contiguous``: checkpoints in one contiguous buffer (MD)."""
     dims.validate_model(model.config)
     comm = dims.comm
     dtype = next(model.parameters()).dtype
     check_data_parallel(zero, fsdp)
     if isinstance(remat, bool):
         remat = "block" if remat else "none"
-    check_remat(remat, remat_k, remat_partition, dims.tp, dims.pp)
+    check_remat(remat, remat_k, remat_partition, dims.tp, dims.pp, remat_contiguous)
     if dims.dp_replicate > 1 and not fsdp:
         raise ParallelError("dp_replicate > 1 is hybrid sharding: it needs fsdp (--hsdp F)")
     stage: nn.Module = model
@@ -88,9 +94,11 @@ def parallelize(
             )
         stage = PipelineStage(model, dims.pp_axis.rank, dims.pp)
     shard_dims = apply_tensor_parallel(stage, dims.tp_axis, comm)
+    buffer = CheckpointBuffer() if remat_contiguous else None
     if remat != "none":
         offload = remat_partition == "tp-cpu"
-        store = PartitionedInput(dims.tp_axis, comm, offload) if remat_partition != "none" else WholeInput()
+        partitioned = remat_partition != "none"
+        store = PartitionedInput(dims.tp_axis, comm, offload, buffer) if partitioned else WholeInput(buffer)
         apply_remat(stage, remat, remat_k, store)
     if fsdp:
         module: nn.Module = FullyShardedDataParallel(
@@ -115,4 +123,4 @@ def parallelize(
         module = DistributedDataParallel(stage, dims.dp_axis, comm, bucket_mb=bucket_mb)
         kind = "ddp"
     pipeline = PipelineSchedule(stage, dims.pp_axis, comm, schedule, dtype=dtype) if dims.pp > 1 else None
-    return ParallelModel(module, stage, dims, kind, shard_dims, pipeline)
+    return ParallelModel(module, stage, dims, kind, shard_dims, pipeline, buffer)

@@ -12,7 +12,8 @@ al., 2019, §2.3), in three modes, optionally with ZeRO-R's partitioned checkpoi
   checkpoints the schedule frees the received input's storage after the forward (it holds x only for x.grad).
 
 With a :class:`~spinwheel.parallel.remat_partition.PartitionedInput` store, each region's input is kept as this
-rank's 1/tp slice (in host memory for Pa+cpu) and all-gathered before recomputation.
+rank's 1/tp slice (in host memory for Pa+cpu) and all-gathered before recomputation. Either store may keep what it
+keeps in one contiguous :class:`~spinwheel.parallel.remat_buffer.CheckpointBuffer` (ZeRO-R's MD).
 
 Regions are :class:`~spinwheel.parallel.remat_region.CheckpointRegion` objects: the first block of a segment opens
 one, the last closes it, and the blocks run through their own calls in between. Each block's ``forward`` is

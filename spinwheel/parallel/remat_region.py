@@ -72,13 +72,17 @@ class CheckpointRegion:
         self._saver = _SaveInputs.apply(anchor, *tensors).grad_fn
         self._forward_saved: list[tuple[torch.Size, torch.dtype]] = []
         self._recomputed: dict[int, dict[int, torch.Tensor]] = {}
-        self._hooks = _saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks: _saved_tensors_hooks | None = None
 
     def enter(self) -> None:
+        self._hooks = _saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
 
     def exit(self) -> None:
-        self._hooks.__exit__(None, None, None)
+        # Dropping the hooks object breaks the cycle region → hooks → bound methods → region: afterwards only the
+        # graph's saved tensors hold the region, so it (and what it keeps) is freed as soon as autograd lets go.
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(None, None, None)
 
     @property
     def num_saved(self) -> int:

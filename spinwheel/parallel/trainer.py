@@ -94,6 +94,7 @@ class ParallelTrainer:
             fsdp_buffer_mb=config.fsdp_buffer_mb or None,
             remat_k=config.remat_k,
             remat_partition=config.remat_partition,
+            remat_contiguous=config.remat_contiguous,
         )
         self.optimizer = self.pm.module.make_optimizer(optimizer_factory) if optimizer_factory else None
         self.max_grad_norm = max_grad_norm

@@ -33,6 +33,7 @@ OBSERVATION_OPTIONS = frozenset(
         "parallel.remat",
         "parallel.remat_k",
         "parallel.remat_partition",
+        "parallel.remat_contiguous",
     }
 )
 
