@@ -79,9 +79,12 @@ class RLConfig:
         None, help="ppo: target KL per sequence for the adaptive β controller (Ziegler et al.); default: a fixed --beta"
     )
     kl_horizon: float = option(10000.0, help="ppo: horizon (samples) of the adaptive β controller")
-    max_kl: float = option(0.01, help="trpo: trust-region radius δ on the mean per-token KL(π_old ‖ π_new)")
-    cg_iters: int = option(10, help="trpo: conjugate-gradient iterations")
-    cg_damping: float = option(0.1, help="trpo: damping added to the Fisher-vector products")
+    max_kl: float = option(2e-3, help="trpo: trust-region radius δ on the mean per-token KL(π_old ‖ π_new)")
+    cg_iters: int = option(5, help="trpo: conjugate-gradient iterations")
+    cg_damping: float = option(
+        1.0,
+        help="trpo: damping added to the Fisher-vector products (large for LLMs: a batch's Fisher is nearly singular)",
+    )
     tis_cap: float | None = option(
         None,
         help="truncated importance sampling: weight tokens by min(π_trainer / "
