@@ -37,6 +37,7 @@ import httpx
 
 API_KEY = "soak-key"
 AUTH = f"authorization: Bearer {API_KEY}\r\n".encode()
+CLOSE_REASONS = ("header_timeout", "write_stall", "evicted", "refused")
 PROMPTS = ["12+34=", "hello there", "The quick brown fox jumps over", "a" * 40, "7*8=", "once upon a time, "]
 
 
@@ -76,12 +77,8 @@ def _rss_mb(pid: int) -> float:
 
 
 def _metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    samples = (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, _, value in samples}
 
 
 def _slope_mb_min(samples: list[tuple[float, float]]) -> float:
@@ -137,8 +134,13 @@ async def normal_client(url: str, model: str, tally: Tally, stop: float, rng: ra
 
 async def _raw(port: int, data: bytes, hold_s: float, read: bool = True) -> bytes | None:
     """Send bytes on a fresh connection and read the answer (None: none in ``hold_s``) while writing: a server
-    that answers 413 before the body's end may reset the connection, dropping data not yet read."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    that answers 413 before the body's end may reset the connection, dropping data not yet read. A small receive
+    buffer, so that a stream left unread fills the server's buffers soon."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
     answer = asyncio.ensure_future(asyncio.wait_for(reader.read(1 << 16) if read else asyncio.sleep(hold_s), hold_s))
     try:
         writer.write(data)
@@ -194,21 +196,17 @@ async def hostile_client(port: int, model: str, tally: Tally, stop: float, rng: 
 
 async def stalling_client(port: int, model: str, tally: Tally, stop: float, rng: random.Random) -> None:
     """Slowloris connections (half a request head: the server must close them after its 2 s header timeout) and
-    streams that are never read (n × tokens above the send buffers: the server must abort them after 2 s)."""
+    streams that are never read (their outputs coalesce while the client does not read: no leaked blocks)."""
     while time.monotonic() < stop:
         if rng.random() < 0.5:
             t0, head = time.monotonic(), b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: "
             for reply in await asyncio.gather(*[_raw(port, head, 8) for _ in range(20)]):
-                tally.record(
-                    "slowloris",
-                    "closed" if reply is not None else "open",
-                    t0,
-                    None if reply is not None else "kept open",
-                )
+                kept = reply is None
+                tally.record("slowloris", "open" if kept else "closed", t0, "kept open" if kept else None)
         else:
-            body = json.dumps({"model": model, "prompt": "a", "n": 2, "max_tokens": 100, "stream": True}).encode()
-            await _raw(port, _post("/v1/completions", body), 5, read=False)
-        tally.status["stalled"] += 1
+            body = {"model": model, "prompt": "a", "n": 3, "max_tokens": 100, "logprobs": 5, "ignore_eos": True}
+            await _raw(port, _post("/v1/completions", json.dumps({**body, "stream": True}).encode()), 8, read=False)
+            tally.status["unread stream"] += 1
 
 
 async def sampler(url: str, pids: list[int], every_s: float, rss: list, metrics: list) -> None:
@@ -249,7 +247,7 @@ def start_server(args: argparse.Namespace, mode: str, log) -> tuple[subprocess.P
     cmd += ["--engine-preemption-mode", mode, "--engine-num-kv-blocks", str(args.num_kv_blocks)]
     cmd += ["--engine-num-cpu-blocks", str(4 * args.num_kv_blocks), "--engine-block-size", "8"]
     cmd += ["--header-timeout-s", "2", "--stall-timeout-s", "2", "--max-connections", "256", "--log-level", "warning"]
-    cmd += ["--api-key", API_KEY]
+    cmd += ["--send-buffer-kb", "4", "--api-key", API_KEY]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while True:
@@ -269,8 +267,7 @@ async def soak_mode(args: argparse.Namespace, mode: str, seconds: float) -> bool
         proc, url, port, engine_pid = start_server(args, mode, log)
     model = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"]
     tally, rss, metrics, pids = Tally(), [], [], [proc.pid, engine_pid]
-    rng, start = random.Random(args.seed), time.monotonic()
-    stop = start + seconds
+    rng, start, stop = random.Random(args.seed), time.monotonic(), time.monotonic() + seconds
     tasks = [normal_client(url, model, tally, stop, random.Random(rng.random())) for _ in range(args.clients)]
     tasks += [hostile_client(port, model, tally, stop, random.Random(rng.random())) for _ in range(2)]
     tasks += [stalling_client(port, model, tally, stop, random.Random(rng.random()))]
@@ -310,6 +307,8 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
     print("".join(f"  {line}\n" for line in tally.unexpected[:5]), end="")
     print(f"KV blocks in use after draining: {leaked:.0f} of {drained['spinwheel_num_kv_blocks']:.0f}; ", end="")
     print(f"preemptions: {preemptions:.0f}")
+    closed = {r: drained.get(f'spinwheel_connections_closed_total{{reason="{r}"}}', 0) for r in CLOSE_REASONS}
+    print("connections closed by the server: " + ", ".join(f"{r} {n:.0f}" for r, n in closed.items()))
     print(
         f"API RSS MiB first/last/max {api[0][1]:.0f}/{api[-1][1]:.0f}/{max(r for _, r in api):.0f}, "
         f"slope {slope:+.1f} MiB/min; engine RSS last/max {engine[-1]:.0f}/{max(engine):.0f}"
@@ -319,6 +318,7 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
         "no KV blocks in use after draining": leaked == 0,
         f"preemptions >= {args.min_preemptions}": preemptions >= args.min_preemptions,
         "the engine came back after the kill": not args.kill or len(tally.outage) == 2,
+        "slowloris closed after the header timeout": not tally.status["closed"] or closed["header_timeout"] > 0,
     }
     if seconds >= 60:
         checks[f"RSS slope below {args.max_rss_slope_mb_min} MiB/min"] = slope < args.max_rss_slope_mb_min
@@ -333,7 +333,7 @@ def main() -> None:
     p.add_argument("--modes", default="recompute,swap")
     p.add_argument("--model", default="test")
     p.add_argument("--clients", type=int, default=8, help="concurrent normal clients")
-    p.add_argument("--num-kv-blocks", type=int, default=32)
+    p.add_argument("--num-kv-blocks", type=int, default=48)
     p.add_argument("--min-preemptions", type=int, default=1)
     p.add_argument("--sample-s", type=float, default=1.0)
     p.add_argument("--max-rss-slope-mb-min", type=float, default=5.0)

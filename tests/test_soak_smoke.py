@@ -17,7 +17,11 @@ def test_soak_script_runs_every_client_and_passes_its_checks():
     out = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, out
     by_status = ast.literal_eval(re.search(r"requests by status: (\{.*?\})", out).group(1))
-    assert by_status.get("2xx", 0) > 0 and by_status.get("4xx", 0) > 0 and by_status.get("stalled", 0) > 0, out
+    assert (
+        by_status.get("2xx", 0) > 0
+        and by_status.get("4xx", 0) > 0
+        and by_status.get("unread stream", 0) + by_status.get("closed", 0) > 0
+    ), out
     assert re.search(r"unexpected failures: 0; catch-all 500s: 0", out), out
-    assert re.search(r"KV blocks in use after draining: 0 of 32", out), out
+    assert re.search(r"KV blocks in use after draining: 0 of 48", out), out
     assert "ok   the engine came back after the kill" in out and "FAIL" not in out, out
