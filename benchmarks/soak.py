@@ -298,7 +298,7 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
     leaked = drained["spinwheel_num_kv_blocks"] - drained["spinwheel_num_free_kv_blocks"]
     api = [(t, a) for t, a, _ in rss]
     slope = _slope_mb_min(api)
-    engine = [e for _, _, e in rss if e == e]
+    engine = [(t, e) for t, _, e in rss if e == e and t > (tally.outage + [0.0, 0.0])[1]] or [(0.0, math.nan)]
     server_500 = drained.get('spinwheel_http_errors_total{status="500"}', 0.0)
     print(f"--- soak, preemption mode {mode}: {seconds:.0f} s, log {log_path}")
     print(f"requests by status: {dict(sorted(tally.status.items()))}; injected faults: {tally.injected}", end="")
@@ -311,7 +311,8 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
     print("connections closed by the server: " + ", ".join(f"{r} {n:.0f}" for r, n in closed.items()))
     print(
         f"API RSS MiB first/last/max {api[0][1]:.0f}/{api[-1][1]:.0f}/{max(r for _, r in api):.0f}, "
-        f"slope {slope:+.1f} MiB/min; engine RSS last/max {engine[-1]:.0f}/{max(engine):.0f}"
+        f"slope {slope:+.1f} MiB/min; engine RSS (since its restart) first/last/max "
+        f"{engine[0][1]:.0f}/{engine[-1][1]:.0f}/{max(e for _, e in engine):.0f}, slope {_slope_mb_min(engine):+.1f}"
     )
     checks = {
         "no unexpected 5xx or stream errors": not tally.unexpected and not server_500,
