@@ -14,6 +14,7 @@ does) gets fewer, larger deltas, and one request holds at most one unread output
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import queue
@@ -69,7 +70,7 @@ class Stream:
         self.closed = True
 
 
-class StreamingEngine:
+class StreamingEngine(abc.ABC):
     """What request handlers drive: ``async for out in engine.generate(...)``, ``abort``, ``alive``. Subclasses
     say how a request reaches the engine (``_submit``) and its outputs come back (``Stream.put`` / ``offer``)."""
 
@@ -78,8 +79,8 @@ class StreamingEngine:
         self.num_unread_outputs = 0  # requests whose latest output waits for its handler (event-loop side)
 
     @property
-    def alive(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def alive(self) -> bool: ...
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -105,11 +106,11 @@ class StreamingEngine:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None: ...
 
-    def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None: ...
 
 
 class AsyncEngine(StreamingEngine):
