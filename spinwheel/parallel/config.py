@@ -140,8 +140,10 @@ class ParallelConfig:
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = self.dp if self.dp != -1 else world // (self.tp * self.pp)
         if dp < 1 or dp * self.tp * self.pp != world:
+            degrees = f"tp={self.tp} × pp={self.pp}"
+            layout = f"dp={self.dp} × {degrees}" if self.dp != -1 else f"{degrees} (dp: the rest)"
             raise ParallelError(
-                f"dp={self.dp} × tp={self.tp} × pp={self.pp} does not match the world of {world} "
+                f"{layout} does not match the world of {world} "
                 "processes; change the degrees or the number of processes (torchrun "
                 "--nproc-per-node N)"
             )
