@@ -29,8 +29,10 @@ done, whatever the load; with one thread it is the step's compute). Phases: spin
 TRL's from timers wrapped around its methods (``_generate``, ``_calculate_rewards``, no-grad
 ``_get_per_token_logps_and_entropies``; "prepare" is the rest of ``_prepare_inputs``: padding, advantages, metrics,
 shuffling; "fwd+bwd" the rest of ``training_step``; "optim+rest" the rest of the step: clip, optimizer, logging).
-Learning: the mean sampled reward over the last ``--last`` steps and the held-out greedy exact match of each final
-policy (spinwheel's engine, the same examples).
+Learning: the mean sampled reward over the last ``--last`` steps, and for each final policy (spinwheel's engine,
+the same held-out examples) the greedy exact match and the mean reward of ``--eval-samples`` completions per prompt
+at temperature 1 — the reward GRPO maximises, on ``eval_examples × eval_samples`` completions (8,000 by default),
+so far less noisy than the last steps' ``last × prompts × G``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Run:
     phases: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     rewards: list[float] = field(default_factory=list)
     eval_after: float | None = None
+    sampled_after: float | None = None
     started: tuple[float, float] = (0.0, 0.0)  # (wall, process CPU) at the start of the step
 
     def start(self) -> None:
@@ -118,8 +121,11 @@ def prepare_checkpoint(args, work: Path) -> Path:
     return save_checkpoint(work / f"{args.model}-init", model, tokenizer)
 
 
-def heldout_exact_match(ckpt: Path, args) -> float:
-    """Greedy exact match of a checkpoint on the task's held-out split, on spinwheel's engine."""
+def heldout_scores(ckpt: Path, args) -> tuple[float, float]:
+    """A final policy on the task's held-out split, on spinwheel's engine: greedy exact match, and the mean reward
+    of ``--eval-samples`` completions per prompt at temperature 1 (the quantity GRPO raises, measured on
+    ``eval_examples × eval_samples`` completions instead of the last steps' few hundred; the same seed for both
+    systems' policies, so the two share the sampler's random numbers)."""
     tokenizer = load_tokenizer(ckpt)
     model = load_model(ckpt, dtype="float32")
     examples = prompts_from_task(tokenizer, ArithmeticTask().test[: args.eval_examples])
@@ -131,8 +137,11 @@ def heldout_exact_match(ckpt: Path, args) -> float:
         examples,
         batch_size=len(examples),
     )
+    sampled = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens, n=args.eval_samples, seed=args.seed)
+    outs = llm.generate([list(p.ids) for p in examples], sampled)
+    values = [reward(c.text, p.answer) for o, p in zip(outs, examples) for c in o.outputs]
     llm.close()
-    return result.exact_match
+    return result.exact_match, statistics.fmean(values)
 
 
 class _SteppedBar:
@@ -198,7 +207,6 @@ def run_spinwheel(args, ckpt: Path, work: Path, run: Run) -> None:
         for key, value in record.items():
             if key.startswith("time/"):
                 run.phases[key[5:]].append(value)
-    run.eval_after = result.get("eval_after")
 
 
 def run_trl(args, ckpt: Path, work: Path, run: Run):
@@ -346,7 +354,8 @@ def run_both(args, ckpt: Path, work: Path) -> dict[str, Run]:
     final = work / "trl-final"
     out["trl"].model.save_pretrained(final)  # type: ignore[attr-defined]
     load_tokenizer(ckpt).save_pretrained(final)
-    runs["trl"].eval_after = heldout_exact_match(final, args)
+    for name, path in (("trl", final), ("spinwheel", work / "spinwheel" / "checkpoint")):
+        runs[name].eval_after, runs[name].sampled_after = heldout_scores(path, args)
     for run in runs.values():  # leave out the first step: warm-up (first packing, allocator, lazy imports)
         run.step_times, run.cpu_times = run.step_times[1:], run.cpu_times[1:]
     return runs
@@ -375,6 +384,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--last", type=int, default=50, help="steps the final mean reward is taken over")
     parser.add_argument("--eval-examples", type=int, default=500)
+    parser.add_argument("--eval-samples", type=int, default=16, help="sampled completions per held-out prompt")
     parser.add_argument(
         "--engine-cpu-packed-weights",
         action=argparse.BooleanOptionalAction,
@@ -407,14 +417,16 @@ def main() -> None:
             f"  {name:>9}: {1e3 * med[name][0]:.1f} ms/step median ({1e3 * statistics.fmean(run.step_times):.1f} "
             f"mean; CPU {1e3 * med[name][1]:.1f} ms/step); sampled reward first {args.last} steps "
             f"{statistics.fmean(run.rewards[: args.last]):.3f} → last {args.last} {last[name]:.3f}; held-out "
-            f"greedy exact match after {run.eval_after:.3f}"
+            f"greedy exact match after {run.eval_after:.3f}, sampled reward after {run.sampled_after:.4f}"
         )
     for run in runs.values():
         print_phases(run)
     print(
         f"spinwheel / TRL step time: {med['spinwheel'][0] / med['trl'][0]:.3f} (target ≤ 0.5; CPU time "
         f"{med['spinwheel'][1] / med['trl'][1]:.3f}); last-{args.last} reward spinwheel {last['spinwheel']:.3f} "
-        f"vs TRL {last['trl']:.3f}"
+        f"vs TRL {last['trl']:.3f}; "
+        f"held-out sampled reward after: spinwheel {runs['spinwheel'].sampled_after:.4f} vs TRL "
+        f"{runs['trl'].sampled_after:.4f}"
     )
 
 
