@@ -7,13 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_rl_llm import digit_reward, small_config  # noqa: F401  (the fixture gives every test its reward module)
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.trpo import trpo_update
+from spinwheel.rl.llm.trpo import logit_fisher_product, trpo_update
 from spinwheel.rl.token_losses import token_weights
+from spinwheel.rl.trpo import fisher_vector_product
 from spinwheel.train.learners import LocalLearner, ParallelLearner, local_outputs
 from spinwheel.train.metrics import read_metrics
 
@@ -60,6 +62,30 @@ def test_trpo_step_stays_in_the_trust_region(max_kl):
     assert measured <= max_kl * (1 + 1e-4) and measured == pytest.approx(stats["kl"], rel=1e-3)
     assert measured > 0.05 * max_kl  # a real step, not a rejected one
     assert not torch.equal(params_before, torch.cat([p.flatten() for p in model.parameters()]))
+
+
+def test_gauss_newton_fisher_product_equals_the_kl_hessian():
+    """Jᵀ M J v (forward-mode J v, one backward) equals ∇(∇KL · v) by double back-propagation at θ_old."""
+    model = make_model()
+    batch = make_batch(model)
+    ids, w = batch["input_ids"], batch["weights"]
+    with torch.no_grad():
+        old = F.log_softmax(model(ids).float(), -1)
+
+    def kl_fn():
+        return (w * (old.exp() * (old - F.log_softmax(model(ids).float(), -1))).sum(-1)).sum()
+
+    params, gauss_newton = logit_fisher_product(model, ids, w, old, damping=0.05)
+    assert [id(p) for p in params] == [id(p) for p in dict.fromkeys(model.parameters())]  # tied weights once
+    with sdpa_kernel(SDPBackend.MATH):
+        hessian = fisher_vector_product(kl_fn, params, damping=0.05)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        v = torch.randn(sum(p.numel() for p in params), generator=gen)
+        with sdpa_kernel(SDPBackend.MATH):  # double back-propagation: the math attention kernel has it
+            got, ref = gauss_newton(v), hessian(v)
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item())
+        assert (got - 0.05 * v).abs().max() > 1e-3 * v.abs().max()  # the Fisher term is not negligible
 
 
 def _flat(model) -> list[float]:

@@ -139,6 +139,7 @@ def trust_region_step(
     backtrack_coef: float = 0.8,
     max_backtracks: int = 10,
     reduce: Reduce | None = None,
+    fvp: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, float]:
     """One TRPO step (``line_search=True``) or natural policy gradient step (``line_search=False``), in place.
 
@@ -148,11 +149,13 @@ def trust_region_step(
 
     Returns stats: ``kl`` (measured after the step), ``surrogate_improvement``, ``expected_improvement``
     (``g·Δθ``), ``step_fraction``, ``grad_norm``, ``cg_iters``, ``cg_residual``, ``accepted``.
+    ``fvp``: a ready ``v ↦ (F + damping·I) v`` (already reduced over ranks) instead of double back-propagation
+    through ``kl_fn`` — e.g. the Gauss–Newton form of an LLM's token KL (:mod:`spinwheel.rl.llm.trpo`).
     """
     params = list(params)
     reduce = reduce or _identity
     g = reduce(flat_grad(surrogate_fn(), params))
-    fvp = fisher_vector_product(kl_fn, params, damping, reduce)
+    fvp = fvp or fisher_vector_product(kl_fn, params, damping, reduce)
     direction, cg_stats = conjugate_gradient(fvp, g, max_iters=cg_iters)
     full_step = kl_radius_scale(direction, fvp(direction), max_kl) * direction
     stats = {"grad_norm": g.norm().item(), "expected_improvement": torch.dot(g, full_step).item(), **cg_stats}
