@@ -8,7 +8,8 @@ and non-ASCII keys. Two thirds in, the engine process is SIGKILLed once: 5xx ans
 requests overlapping its outage count as injected. RSS (API and engine processes) and `/metrics` are sampled every
 `--sample-s`. It prints requests by status class and checks: no 5xx or in-stream error but injected ones, no
 catch-all 500, no KV block in use once drained, preemptions, the engine back after the kill, RSS slopes of the API
-and engine processes below `--max-rss-slope-mb-min` (runs of a minute or more per mode). Exit status 1 on a failure.
+and engine (until the kill) processes below `--max-rss-slope-mb-min` (a minute or more per mode) over the second half
+of the samples: the first warms caches (oneDNN's of batch shapes, `--engine-onednn-cache-capacity`). Exit 1 on failure.
 
     .venv/bin/python benchmarks/soak.py --minutes 6                 # 3 minutes per preemption mode
 """
@@ -81,8 +82,8 @@ def _metrics(text: str) -> dict[str, float]:
 
 
 def _slope_mb_min(samples: list[tuple[float, float]]) -> float:
-    """Least-squares slope of RSS over time, MiB per minute, past the first quarter (warm-up)."""
-    pts = [(t, r) for t, r in samples[len(samples) // 4 :] if r == r]
+    """Least-squares slope of RSS over time, MiB per minute, over the second half (the first one warms up)."""
+    pts = [(t, r) for t, r in samples[len(samples) // 2 :] if r == r]
     if len(pts) < 3:
         return 0.0
     mt, mr = sum(t for t, _ in pts) / len(pts), sum(r for _, r in pts) / len(pts)
@@ -296,7 +297,7 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
         last = value
     leaked = drained["spinwheel_num_kv_blocks"] - drained["spinwheel_num_free_kv_blocks"]
     api = [(t, a) for t, a, _ in rss]
-    engine = [(t, e) for t, _, e in rss if e == e and t > (tally.outage + [0.0, 0.0])[1]] or [(0.0, math.nan)]
+    engine = [(t, e) for t, _, e in rss if e == e and t < (tally.outage + [math.inf])[0]] or [(0.0, math.nan)]
     slope, engine_slope = _slope_mb_min(api), _slope_mb_min(engine)
     server_500 = drained.get('spinwheel_http_errors_total{status="500"}', 0.0)
     print(f"--- soak, preemption mode {mode}: {seconds:.0f} s, log {log_path}")
@@ -310,7 +311,7 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
     print("connections closed by the server: " + ", ".join(f"{r} {n:.0f}" for r, n in closed.items()))
     print(
         f"API RSS MiB first/last/max {api[0][1]:.0f}/{api[-1][1]:.0f}/{max(r for _, r in api):.0f}, "
-        f"slope {slope:+.1f} MiB/min; engine RSS (since its restart) first/last/max "
+        f"slope {slope:+.1f} MiB/min; engine RSS (until the kill) first/last/max "
         f"{engine[0][1]:.0f}/{engine[-1][1]:.0f}/{max(e for _, e in engine):.0f}, slope {engine_slope:+.1f}"
     )
     checks = {
@@ -340,8 +341,7 @@ def main() -> None:
     p.add_argument("--max-rss-slope-mb-min", type=float, default=5.0)
     p.add_argument("--no-kill", dest="kill", action="store_false", help="do not SIGKILL the engine process")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    modes = args.modes.split(",")
+    args, modes = p.parse_args(), p.parse_args().modes.split(",")
     results = [asyncio.run(soak_mode(args, mode, 60 * args.minutes / len(modes))) for mode in modes]
     sys.exit(0 if all(results) else 1)
 

@@ -43,6 +43,13 @@ class EngineConfig:
         help="on CPU in fp32, run the projections on oneDNN-packed copies of the weights (faster GEMMs, one "
         "more copy of the projection weights in memory; repacked when the weights change)",
     )
+    onednn_cache_capacity: int = option(
+        128,
+        help="oneDNN primitives (compiled kernels for one shape, 0.3-1 MiB each) kept by each of oneDNN's and "
+        "PyTorch's caches on the packed CPU path; set for the whole process when its first engine is built, if "
+        "no oneDNN primitive exists yet (always in serve's engine process); oneDNN's own default, 1024, costs up "
+        "to ~1 GiB",
+    )
     seed: int = option(0, help="seed of the engine's generator for requests without their own seed")
     dtype: str | None = option(None, help="model dtype when loading from a path (default: the checkpoint's)")
     device: str | None = option(None, help="device when loading from a path (default: cuda if available)")
@@ -58,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb}")
         if self.swap_space_mb < 0:
             raise ValueError(f"swap_space_mb must be >= 0, got {self.swap_space_mb}")
+        if self.onednn_cache_capacity < 1:
+            raise ValueError(f"onednn_cache_capacity must be >= 1, got {self.onednn_cache_capacity}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -97,7 +97,9 @@ class ModelRunner:
         )
         self.packed: cpu_forward.PackedWeights | None = None
         self.install()
-        # on CPU: oneDNN-packed weights and fused element-wise kernels (see cpu_forward)
+        # on CPU: oneDNN-packed weights and fused element-wise kernels (see cpu_forward), its caches bounded first
+        if config.cpu_packed_weights and device.type == "cpu":
+            cpu_forward.bound_primitive_caches(config.onednn_cache_capacity)
         if config.cpu_packed_weights and cpu_forward.supports(model):
             self.packed = cpu_forward.PackedWeights(model)
 
