@@ -148,6 +148,9 @@ async def _run_load(url: str, model: str, work: list[tuple[str, int]], clients: 
     }
 
 
+OFFLINE_CPU: list[float] = []  # output tokens per CPU second of each all-at-once offline run
+
+
 def _offline(args: argparse.Namespace, work: list[tuple[str, int]], max_num_seqs: int = 256) -> float:
     """Output tokens/s of ``LLM.generate`` on the whole workload at once (after a warm-up generation), with at most
     ``max_num_seqs`` sequences per step."""
@@ -159,10 +162,12 @@ def _offline(args: argparse.Namespace, work: list[tuple[str, int]], max_num_seqs
     llm = LLM(args.model, max_num_seqs=max_num_seqs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:8]], params[:8])  # warm-up: first-call costs are not throughput
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([p for p, _ in work], params)
-    wall = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    OFFLINE_CPU.append(tokens / cpu)
+    return tokens / wall
 
 
 def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> tuple[dict, str]:
@@ -186,11 +191,35 @@ def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> 
                 raise SystemExit(f"server ({mode}) did not start")
             time.sleep(0.2)
         asyncio.run(_run_load(url, "bench", work[:8], min(8, args.clients), args.client))  # warm-up
+        kids = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker) in process mode
+        before = {"api": _cpu_seconds(proc.pid), **({"engine": sum(map(_cpu_seconds, kids))} if kids else {})}
+        client0 = time.process_time()
         stats = asyncio.run(_run_load(url, "bench", work, args.clients, args.client))
+        after = {"api": _cpu_seconds(proc.pid), "engine": sum(map(_cpu_seconds, kids))}
+        cpu = {k: after[k] - v for k, v in before.items()} | {"client": time.process_time() - client0}
+        stats |= {f"cpu_{k}_cores": v / stats["wall_s"] for k, v in cpu.items()}
         return stats, httpx.get(url + "/metrics").text
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; 0 when it is gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of ``pid`` (the engine process of `serve --engine-process`)."""
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    return kids
 
 
 def _load() -> str:
@@ -256,6 +285,10 @@ def main() -> None:
             f"{stats['ttft_p50_ms']:.0f} ms p99 {stats['ttft_p99_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
             f"p99 {stats['itl_p99_ms']:.1f} ms ({stats['wall_s']:.1f} s; {'; '.join(preempt)})"
         )
+        cores = ", ".join(f"{k[4:-6]} {v:.2f}" for k, v in stats.items() if k.startswith("cpu_"))
+        print(f"  CPU cores busy during the run: {cores} (of {os.cpu_count()})")
+    if OFFLINE_CPU:
+        print(f"offline: {statistics.median(OFFLINE_CPU):.0f} output tokens per CPU second (median)")
     print(
         json.dumps(
             {
