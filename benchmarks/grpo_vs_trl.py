@@ -198,7 +198,7 @@ def run_spinwheel(args, ckpt: Path, work: Path, run: Run) -> None:
         resume=False,
         num_threads=args.threads,
         progress=False,
-        engine=EngineConfig(cpu_packed_weights=args.engine_cpu_packed_weights),
+        engine=EngineConfig(cpu_packed_weights=args.engine_cpu_packed_weights),  # default: the loop's (unpacked)
     )
     rl_loop.tqdm = lambda steps, **k: _SteppedBar(run, steps, **k)
     result = train_rl(config)
@@ -388,8 +388,8 @@ def main() -> None:
     parser.add_argument(
         "--engine-cpu-packed-weights",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="spinwheel's engine option of that name (repacked after every update)",
+        default=False,
+        help="spinwheel's engine option of that name (off by default in the RL loop: repacked after every update)",
     )
     parser.add_argument("--work-dir", default=None, help="where runs write (default: a temporary directory)")
     args = parser.parse_args()

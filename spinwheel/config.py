@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -45,9 +45,15 @@ class _Flag(argparse.BooleanOptionalAction):
         self.help = help
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Collection[str] = ()) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    skip: Collection[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """Add one option per field of dataclass ``cls`` to ``parser`` (except the fields named in ``skip``, which
-    :func:`from_args` then leaves at their defaults)."""
+    :func:`from_args` then leaves at their defaults); ``defaults`` overrides fields' defaults by name."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().split("\n")[0])
     for f in dataclasses.fields(cls):
@@ -60,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "", 
             if f.default is not dataclasses.MISSING
             else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         )  # type: ignore[misc]
+        default = (defaults or {}).get(f.name, default)
         help_text = f.metadata.get("help", "")
         # A help text that explains its own default, or a None default (unset), shows no "(default: ...)".
         shown = help_text if default is None or "default" in help_text else f"{help_text} (default: {default!r})"

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from spinwheel.engine.config import EngineConfig
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel import spawn
 from spinwheel.rl.llm import RLConfig, train_rl
@@ -167,8 +168,12 @@ def test_resume_refuses_what_changes_the_run_and_a_finished_run_does_nothing(tmp
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines  # nothing appended
 
 
-def test_grpo_loop_one_process(tmp_path):
-    result = train_rl(small_config(tmp_path, steps=3, eval_every=2))
+@pytest.mark.parametrize("packed", [False, True])
+def test_grpo_loop_one_process(tmp_path, packed):
+    """The loop's engine samples from plain weights by default; with oneDNN-packed copies it repacks after every
+    update (else steps 2 and 3 would sample from stale weights and the mismatch would show it)."""
+    engine = EngineConfig(cpu_packed_weights=packed)
+    result = train_rl(small_config(tmp_path, steps=3, eval_every=2, engine=engine))
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:

@@ -21,7 +21,7 @@ RL_COMMANDS = {
 def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
     from spinwheel.engine import EngineConfig
     from spinwheel.parallel import ParallelConfig
-    from spinwheel.rl.llm.config import RLConfig
+    from spinwheel.rl.llm.config import RL_ENGINE_DEFAULTS, RLConfig
 
     p = sub.add_parser(
         algo,
@@ -32,7 +32,8 @@ def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None
     add_arguments(p, RLConfig, skip={"algo"})
     add_arguments(p, ArithmeticConfig, prefix="task-")
     add_arguments(p, ParallelConfig)
-    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
+    engine_skip = {"dtype", "device", "seed", "max_model_len"}
+    add_arguments(p, EngineConfig, prefix="engine-", skip=engine_skip, defaults=RL_ENGINE_DEFAULTS)
     p.set_defaults(out_dir=f"runs/{algo}")
 
 

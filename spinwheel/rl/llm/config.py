@@ -16,6 +16,7 @@ from spinwheel.models.hf import resolve_dtype
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 
+RL_ENGINE_DEFAULTS = {"cpu_packed_weights": False}  # where the RL loop's engine differs from EngineConfig's defaults
 ALGOS = ("grpo", "rloo", "reinforce-pp", "ppo", "trpo")
 
 
@@ -111,7 +112,9 @@ class RLConfig:
     progress: bool = option(True, help="show a progress bar")
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig, metadata={"cli": False})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"cli": False})
-    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"cli": False})
+    # The loop's engine samples from plain weights: oneDNN-packed copies would be repacked after every update, and
+    # at RL rollout sizes packing does not speed sampling up (BENCHMARKS.md, GRPO vs TRL).
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(**RL_ENGINE_DEFAULTS), metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
