@@ -31,10 +31,19 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
-def flat_grad(output: Tensor, params: Sequence[nn.Parameter], create_graph: bool = False) -> Tensor:
-    """Gradient of scalar ``output`` w.r.t. ``params``, flattened into one vector (zeros for unused)."""
+def flat_grad(
+    output: Tensor,
+    params: Sequence[nn.Parameter],
+    create_graph: bool = False,
+    retain_graph: bool | None = None,
+    grad_outputs: Tensor | None = None,
+) -> Tensor:
+    """Gradient of scalar ``output`` (or the vector-Jacobian product ``grad_outputsᵀ ∂output/∂θ`` of a tensor
+    ``output``) w.r.t. ``params``, flattened into one vector (zeros for unused); the graph is kept when
+    ``retain_graph`` (default: ``create_graph``)."""
+    retain = create_graph if retain_graph is None else retain_graph
     grads = torch.autograd.grad(
-        output, list(params), create_graph=create_graph, retain_graph=create_graph, allow_unused=True
+        output, list(params), grad_outputs, create_graph=create_graph, retain_graph=retain, allow_unused=True
     )
     return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
 
@@ -79,9 +88,7 @@ def fisher_vector_product(
     grad_kl = flat_grad(kl_fn(), params, create_graph=True)
 
     def fvp(v: Tensor) -> Tensor:
-        hv = torch.autograd.grad(torch.dot(grad_kl, v), list(params), retain_graph=True, allow_unused=True)
-        hv_flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(hv, params)])
-        return reduce(hv_flat) + damping * v
+        return reduce(flat_grad(torch.dot(grad_kl, v), params, retain_graph=True)) + damping * v
 
     return fvp
 

@@ -13,7 +13,7 @@ backtracking line search that keeps ``KL(π_old ‖ π_new) ≤ δ`` and an impr
 The solver (conjugate gradient, line search) is :func:`spinwheel.rl.trpo.trust_region_step`, shared with
 classic-control TRPO; the Fisher-vector products are :func:`logit_fisher_product` (Gauss–Newton: forward-mode
 ``J v``, then ``Jᵀ M J v`` by one backward), equal to the double back-propagation through the KL that classic
-control uses and about a third of its cost.
+control uses; the whole step measured 1.1–1.3× faster with them on the demo model.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from spinwheel.engine.llm_engine import flush_denormal
 from spinwheel.parallel.mesh import ParallelError
 from spinwheel.rl.llm.algorithms import GroupPolicyGradient
-from spinwheel.rl.trpo import trust_region_step
+from spinwheel.rl.trpo import flat_grad, trust_region_step
 from spinwheel.train.learners import Learner, LocalLearner, ParallelLearner
 
 
@@ -119,8 +119,8 @@ def logit_fisher_product(
     ``w · (diag(p) − p pᵀ)``, the Hessian of ``w · KL(p ‖ softmax(z))`` in ``z`` at ``p = π_old`` (``weights`` (b, T),
     ``old_logp`` (b, T, V)). This *is* the Hessian of the weighted KL at θ_old — its other term, ``∂KL/∂z ·
     ∂²z/∂θ²``, vanishes there because ``∂KL/∂z = softmax(z) − p = 0`` — computed as one forward-mode pass for
-    ``J v`` and one backward through a logits graph built once for ``Jᵀ (M J v)``, about a third of the cost of
-    back-propagating twice through the KL. Data parallel: ``reduce`` sums the products over ranks.
+    ``J v`` and one backward through a logits graph built once for ``Jᵀ (M J v)``, instead of back-propagating
+    twice through the KL. Data parallel: ``reduce`` sums the products over ranks.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # named_parameters dedups ties
     names, params = [n for n, _ in named], [p for _, p in named]
@@ -136,8 +136,7 @@ def logit_fisher_product(
         with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no forward-AD formula
             _, jv = jvp(logits_at, primals, tangents)
         u = weights[..., None] * probs * (jv - (probs * jv).sum(-1, keepdim=True))
-        grads = torch.autograd.grad(logits, params, grad_outputs=u, retain_graph=True, allow_unused=True)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+        flat = flat_grad(logits, params, retain_graph=True, grad_outputs=u)
         return (flat if reduce is None else reduce(flat)) + damping * v
 
     return params, fvp
