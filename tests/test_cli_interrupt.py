@@ -200,3 +200,14 @@ def test_bad_layout_is_one_line_once(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("spinwheel sft: error:") and "world of 2" in lines[0], proc.stderr
     proc = subprocess.run([*TORCHRUN, *args], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode != 0 and proc.stderr.count("spinwheel sft: error:") == 1, proc.stderr
+
+
+def test_one_process_refuses_degrees_and_names_ignored_options(tmp_path):
+    """Without torchrun, --tp 2 is an error that says how to launch; --zero 2 is named in a warning, not dropped."""
+    args = [sys.executable, "-m", "spinwheel", "sft", "--model", "test", "--out-dir", str(tmp_path), "--steps", "1"]
+    proc = subprocess.run([*args, "--tp", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "tp=2 needs 2 processes" in proc.stderr and "spinwheel launch --nproc-per-node 2" in proc.stderr
+    proc = subprocess.run([*args, "--zero", "2", "--remat"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "--zero, --remat: ignored in a one-process run" in proc.stderr, proc.stderr

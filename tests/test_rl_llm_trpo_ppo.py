@@ -13,7 +13,7 @@ from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.trpo import logit_fisher_product, trpo_update
+from spinwheel.rl.llm.trpo import fisher_rows, logit_fisher_product, trpo_update
 from spinwheel.rl.token_losses import token_weights
 from spinwheel.rl.trpo import fisher_vector_product
 from spinwheel.train.learners import LocalLearner, ParallelLearner, local_outputs
@@ -49,14 +49,17 @@ def full_kl(before: torch.Tensor, model, batch) -> float:
         return float((batch["weights"] * (p_old.exp() * (p_old - p_new)).sum(-1)).sum())
 
 
-@pytest.mark.parametrize("max_kl", [1e-3, 1e-2])
-def test_trpo_step_stays_in_the_trust_region(max_kl):
+@pytest.mark.parametrize("max_kl, fisher_fraction", [(1e-3, 1.0), (1e-2, 1.0), (1e-2, 0.5)])
+def test_trpo_step_stays_in_the_trust_region(max_kl, fisher_fraction):
+    """Also with the Fisher-vector products on half the rows: the KL check runs on the whole batch."""
     model = make_model()
     batch = make_batch(model)
     with torch.no_grad():
         before = model(batch["input_ids"]).float()
         params_before = torch.cat([p.flatten() for p in model.parameters()]).clone()
-    stats = trpo_update(LocalLearner(model, None), batch, max_kl=max_kl, damping=0.1, cg_iters=10)
+    stats = trpo_update(
+        LocalLearner(model, None), batch, max_kl=max_kl, damping=0.1, cg_iters=10, fisher_fraction=fisher_fraction
+    )
     measured = full_kl(before, model, batch)
     assert stats["accepted"] == 1.0 and stats["surrogate_improvement"] > 0
     assert measured <= max_kl * (1 + 1e-4) and measured == pytest.approx(stats["kl"], rel=1e-3)
@@ -86,6 +89,28 @@ def test_gauss_newton_fisher_product_equals_the_kl_hessian():
             got, ref = gauss_newton(v), hessian(v)
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item())
         assert (got - 0.05 * v).abs().max() > 1e-3 * v.abs().max()  # the Fisher term is not negligible
+
+
+def test_fisher_rows_are_strided_over_weighted_rows_and_rescaled():
+    w = torch.ones(10, 3)
+    w[3] = 0  # a row without completion tokens (a dropped group) is never picked
+    assert fisher_rows(w, 1.0) is None
+    assert fisher_rows(w, 0.5).tolist() == [0, 2, 5, 7, 9]
+    assert fisher_rows(w, 0.2).tolist() == [0, 6]
+    model = make_model()
+    batch = make_batch(model)
+    ids, w = batch["input_ids"], batch["weights"]
+    with torch.no_grad():
+        old = F.log_softmax(model(ids).float(), -1)
+    sub = fisher_rows(w, 0.5)
+    scaled = w[sub] * (w.sum() / w[sub].sum())
+    assert float(scaled.sum()) == pytest.approx(float(w.sum()))
+    # the subset's product is the full product's estimate: same order of magnitude along a random direction
+    params, full = logit_fisher_product(model, ids, w, old, damping=0.0)
+    _, half = logit_fisher_product(model, ids[sub], scaled, old[sub], damping=0.0)
+    v = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(1))
+    ratio = float(torch.dot(v, half(v)) / torch.dot(v, full(v)))
+    assert 0.3 < ratio < 3.0
 
 
 def _flat(model) -> list[float]:

@@ -3,6 +3,8 @@ and turned into the rank grid by :meth:`ParallelConfig.make_dims`."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -126,6 +128,26 @@ class ParallelConfig:
         if isinstance(self.remat, bool):  # remat=True / False from code written before the modes
             self.remat = "block" if self.remat else "none"
         check_remat(self.remat, self.remat_k, self.remat_partition, self.tp, self.pp, self.remat_contiguous)
+
+    def check_one_process(self) -> list[str]:
+        """For a run that is not launched with several processes: refuse degrees that need more of them, and return
+        the flags that then have nothing to act on (the caller warns), so neither is silently dropped."""
+        degrees = {"dp": max(self.dp, 1), "tp": self.tp, "pp": self.pp}
+        if (need := math.prod(degrees.values())) > 1:
+            layout = " × ".join(f"{k}={v}" for k, v in degrees.items() if v > 1)
+            raise ParallelError(
+                f"{layout} needs {need} processes but this run is one: launch it with "
+                f"`spinwheel launch --nproc-per-node {need} ...` (or torchrun), or drop --dp/--tp/--pp"
+            )
+        ignored = {
+            "--zero": self.zero > 0,
+            "--fsdp": self.fsdp and not self.hsdp,
+            "--hsdp": self.hsdp > 0,
+            "--microbatches": self.microbatches > 1,
+            "--remat": self.remat != "none",
+            "--remat-contiguous": self.remat_contiguous,
+        }
+        return [flag for flag, on in ignored.items() if on]
 
     def mixed_precision(self) -> MixedPrecisionPolicy | None:
         """The FSDP/ZeRO-3 mixed-precision policy these options ask for (None: parameters' own dtype throughout)."""

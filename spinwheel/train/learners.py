@@ -15,6 +15,7 @@ without TP/PP), else a full copy that :meth:`ParallelLearner.sync_engine_model` 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -38,6 +39,8 @@ from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResul
 from spinwheel.train.checkpoint import rng_state, save_checkpoint, set_rng_state
 from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS, build_adamw, decays, set_lr
 from spinwheel.train.shared_prompts import PACKING_MARGIN, SharedPrompts, plain_cost, shared_prompt_outputs
+
+logger = logging.getLogger(__name__)
 
 SHARDED_DIR = "sharded"
 
@@ -248,14 +251,21 @@ def is_main_process() -> bool:
 
 
 @contextmanager
-def distributed_world(device: str, timeout_s: float) -> Iterator[bool]:
+def distributed_world(device: str, parallel: ParallelConfig) -> Iterator[bool]:
     """Join the torchrun world when it has more than one process (NCCL for a CUDA device, gloo otherwise) and leave
-    it again at the end (if this call joined it); yields whether the run is distributed."""
+    it again at the end (if this call joined it); yields whether the run is distributed. In one process, parallel
+    degrees > 1 are refused and options with nothing to shard over are named in a warning."""
     if launched_world_size() <= 1:
+        if ignored := parallel.check_one_process():
+            logger.warning(
+                "%s: ignored in a one-process run (nothing to shard or pipeline over); launch with torchrun to use %s",
+                ", ".join(ignored),
+                "them" if len(ignored) > 1 else "it",
+            )
         yield False
         return
     joined = not dist.is_initialized()
-    init_distributed("nccl" if device.startswith("cuda") else "gloo", timeout_s=timeout_s)
+    init_distributed("nccl" if device.startswith("cuda") else "gloo", timeout_s=parallel.timeout_s)
     try:
         yield True
         dist.barrier()  # leave together: tearing down groups while a peer still evaluates can abort gloo's threads

@@ -77,7 +77,8 @@ class SharedPrompts:
             out.tokens.append(row_tokens)
             out.positions.append(row_pos)
             out.segments.append(row_seg)
-        out.src = [r * out.length + k for r, k in pairs]
+        length = out.length  # a property over every row: once, not once per pair
+        out.src = [r * length + k for r, k in pairs]
         return out
 
 

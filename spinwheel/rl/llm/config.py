@@ -86,6 +86,11 @@ class RLConfig:
         1.0,
         help="trpo: damping added to the Fisher-vector products (large for LLMs: a batch's Fisher is nearly singular)",
     )
+    fisher_fraction: float = option(
+        1.0,
+        help="trpo: fraction of the rollout rows (every k-th) the conjugate gradient's Fisher-vector products use; "
+        "the gradient and the KL check use all (baselines' TRPO: 0.2)",
+    )
     tis_cap: float | None = option(
         None,
         help="truncated importance sampling: weight tokens by min(π_trainer / "
@@ -153,6 +158,8 @@ class RLConfig:
         for name in ("critic_lr", "max_kl", "cg_iters", "kl_horizon"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.fisher_fraction <= 1:
+            raise ValueError(f"--fisher-fraction must be in (0, 1], got {self.fisher_fraction}")
         if self.kl_target is not None and self.kl_target <= 0:
             raise ValueError(f"--kl-target must be > 0, got {self.kl_target}")
         if self.kl_target is not None and self.beta == 0:

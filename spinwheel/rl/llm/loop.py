@@ -73,7 +73,7 @@ def train_rl(config: RLConfig) -> dict[str, Any]:
     """Run the configured algorithm; returns the final figures (``eval_before``, ``eval_after``, ``history``)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    with distributed_world(config.device, config.parallel.timeout_s) as distributed:
+    with distributed_world(config.device, config.parallel) as distributed:
         return _run(config, distributed)
 
 

@@ -185,7 +185,7 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
     """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    with distributed_world(config.device, config.parallel.timeout_s) as distributed:
+    with distributed_world(config.device, config.parallel) as distributed:
         return _run(config, distributed)
 
 

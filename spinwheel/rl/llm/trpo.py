@@ -62,9 +62,15 @@ def trpo_update(
     cg_iters: int,
     backtrack_coef: float = 0.8,
     max_backtracks: int = 10,
+    fisher_fraction: float = 1.0,
 ) -> dict[str, float]:
     """One trust-region step on the global ``batch`` (``input_ids``, ``labels``, ``weights``, ``advantages``,
-    ``old_logprobs``; rows this rank owns are its data-parallel slice)."""
+    ``old_logprobs``; rows this rank owns are its data-parallel slice).
+
+    ``fisher_fraction`` < 1 runs the conjugate gradient's Fisher-vector products on an evenly strided subset of
+    the rows (:func:`fisher_rows`; OpenAI baselines' TRPO uses a fifth), so a large batch's gradient costs its full
+    forward and backward but each of the ``cg_iters`` products only a fraction; the gradient, the surrogate and the
+    line search's KL check stay on every row, so the step still keeps the whole batch's KL ≤ ``max_kl``."""
     model, reduce = trpo_module(learner)
     if reduce is not None:
         dp = learner.dims.dp_axis  # type: ignore[attr-defined]
@@ -89,8 +95,14 @@ def trpo_update(
 
     # π_old(v) · … over the whole vocabulary is full of denormals (probabilities of e^-90 and below), which slow
     # CPU kernels about 2× here: flush them.
+    sub = fisher_rows(w, fisher_fraction)
+    w_sub = w[sub] * (w.sum() / w[sub].sum()) if sub is not None else w
     with flush_denormal(ids.device.type == "cpu"):
-        params, fvp = logit_fisher_product(model, ids, w, old_full, damping, reduce)
+        params, fvp = (
+            logit_fisher_product(model, ids, w, old_full, damping, reduce)
+            if sub is None
+            else logit_fisher_product(model, ids[sub], w_sub, old_full[sub], damping, reduce)
+        )
         return trust_region_step(
             params,
             surrogate_fn,
@@ -103,6 +115,20 @@ def trpo_update(
             reduce=reduce,
             fvp=fvp,
         )
+
+
+def fisher_rows(weights: torch.Tensor, fraction: float) -> torch.Tensor | None:
+    """Indices of every ``round(1 / fraction)``-th row of ``weights`` (b, T) that has weight (None: all rows).
+
+    Strided over the batch so the subset covers every prompt group's position range evenly; the caller rescales the
+    subset's weights to the whole batch's sum, so the subsampled Fisher estimates the same matrix."""
+    if fraction >= 1.0:
+        return None
+    live = torch.nonzero(weights.sum(-1) > 0)[:, 0]
+    stride = max(1, round(1.0 / fraction))
+    if stride == 1 or live.numel() <= stride:
+        return None
+    return live[::stride]
 
 
 def logit_fisher_product(
@@ -147,4 +173,4 @@ class TRPO(GroupPolicyGradient):
 
     def update(self, learner: Learner, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         c = self.config
-        return trpo_update(learner, batch, c.max_kl, c.cg_damping, c.cg_iters)
+        return trpo_update(learner, batch, c.max_kl, c.cg_damping, c.cg_iters, fisher_fraction=c.fisher_fraction)
