@@ -4,7 +4,6 @@ and turned into the rank grid by :meth:`ParallelConfig.make_dims`."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Literal
 
