@@ -120,4 +120,4 @@ def test_torchrun_sft_resumes_exactly(tmp_path, single, capsys):
     assert "written by a parallel run" in capsys.readouterr().err
     # And a layout that does not fit the world is a readable error, not a hang.
     assert main(["sft", *ARGS, "--out-dir", str(tmp_path / "bad"), "--tp", "2"]) == 2
-    assert "tp=2 × pp=1 (dp: the rest) does not match the world of 1" in capsys.readouterr().err
+    assert "tp=2 needs 2 processes but this run is one" in capsys.readouterr().err

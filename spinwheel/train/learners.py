@@ -37,7 +37,7 @@ from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.token_outputs import TokenOutputs, is_scalar_head
 from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResult
 from spinwheel.train.checkpoint import rng_state, save_checkpoint, set_rng_state
-from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS, build_adamw, decays, set_lr
+from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS, adamw_kernel, build_adamw, decays, set_lr
 from spinwheel.train.shared_prompts import PACKING_MARGIN, SharedPrompts, plain_cost, shared_prompt_outputs
 
 logger = logging.getLogger(__name__)
@@ -171,8 +171,9 @@ class ParallelLearner:
         def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
             # The trainer applies the weight decay (matrices only), as build_adamw's parameter groups do.
             assert optim is not None
+            params = list(params)
             return torch.optim.AdamW(
-                params, lr=optim.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0, foreach=True
+                params, lr=optim.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0, **adamw_kernel(params)
             )
 
         clip = None if optim is None else (optim.grad_clip if optim.grad_clip > 0 else math.inf)
