@@ -3,8 +3,10 @@
 Order of operations (as HF's logits processors and vLLM apply them): penalties (repetition on prompt + output,
 presence/frequency on the output), ``logit_bias`` (added to the logits), ``min_tokens`` masking of stop tokens,
 temperature (below ``SAMPLING_EPS``: greedy), then top-k, top-p and min-p truncation, then a draw. Draws use the
-exponential race (``argmax p_i / E_i`` with ``E_i ~ Exp(1)``), which samples exactly from ``p``; a request with a
-``seed`` draws its noise from its own generator, so its tokens do not depend on what else shares the batch.
+exponential race (``argmax p_i / E_i`` with ``E_i ~ Exp(1)``), which samples exactly from ``p``. A request with a
+``seed`` draws its noise from a counter-based generator (:func:`seeded_exponential`): a hash of (seed, sample index,
+output position, token), so its tokens depend neither on what else shares the batch nor on preemption, and every
+seeded row of a step is drawn in one vectorised pass instead of one generator call per row.
 """
 
 from __future__ import annotations
@@ -35,9 +37,44 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]  # when the row's params ask for logprobs
 
 
-def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
-    """The generator of sample ``index`` of a request seeded with ``seed``."""
-    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) % (2**63))
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch stores (two's complement)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` on int64 is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function on int64 tensors (multiplication wraps modulo 2^64): a bijection whose outputs
+    pass BigCrush for consecutive inputs (Steele, Lea & Flood 2014)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def seeded_exponential(seeds: list[int], indices: list[int], positions: list[int], vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise (R, vocab), row r a pure function of (``seeds[r]``, sample ``indices[r]``, output ``positions[r]``)
+    and the token: ``E = −log U`` with ``U`` the top 53 bits of a double SplitMix64 hash, in (0, 1]."""
+    rows = [
+        _signed(seed * 1_000_003 + index) for seed, index in zip(seeds, indices)
+    ]  # the request's sample stream: seed and sample index, as seeded n > 1 requests number their samples
+    keys = _splitmix64(torch.tensor(rows, dtype=torch.int64, device=device))
+    keys = _splitmix64(keys ^ _splitmix64(torch.tensor(positions, dtype=torch.int64, device=device)))
+    tokens = torch.arange(vocab, dtype=torch.int64, device=device) * _GOLDEN
+    bits = _splitmix64(keys[:, None] ^ tokens[None, :])
+    u = (_shr(bits, 11) + 1).to(torch.float64) * 2.0**-53  # (0, 1]
+    return (-torch.log(u)).to(torch.float32).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, float]:
@@ -85,11 +122,19 @@ class Sampler:
             seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
             if len(seeded) < r:
                 noise.exponential_(generator=self._generator(logits.device))
-            for i in seeded:
-                seq = rows[i].seq
-                if seq.generator is None:
-                    seq.generator = seeded_generator(rows[i].params.seed, seq.index, logits.device)  # type: ignore
-                noise[i].exponential_(generator=seq.generator)
+            if seeded:
+                picked = [rows[i] for i in seeded]
+                drawn = seeded_exponential(
+                    [row.params.seed for row in picked],  # type: ignore[misc]
+                    [row.seq.index for row in picked],
+                    [row.seq.num_output_tokens for row in picked],
+                    noise.shape[1],
+                    noise.device,
+                )
+                if len(seeded) == r:
+                    noise = drawn
+                else:
+                    noise[torch.tensor(seeded, device=noise.device)] = drawn
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
 
@@ -101,7 +146,10 @@ class Sampler:
         tops: list[dict[int, float] | None] = []
         for i, row in enumerate(rows):
             k = row.params.logprobs
-            tops.append(top_logprobs(raw_logprobs[i], token_list[i], k) if k is not None else None)
+            if k == 0:  # only the chosen token: no tensor indexing per row
+                tops.append({token_list[i]: chosen_lp[i]})
+            else:
+                tops.append(top_logprobs(raw_logprobs[i], token_list[i], k) if k is not None else None)
         return SamplerOutput(token_list, chosen_lp, tops)
 
     @staticmethod

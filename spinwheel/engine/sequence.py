@@ -56,7 +56,6 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []  # per output token: {token_id: logprob}
         self.stop_reason: int | str | None = None
-        self.generator: torch.Generator | None = None
         self.text = ""  # detokenised output, maintained when stop strings or streaming need it
         self.pending_logprobs: torch.Tensor | None = None  # beam search: (V,) waiting for the other beams
 
@@ -99,7 +98,6 @@ class Sequence:
         child.seq_id, child.index = seq_id, index
         child.token_ids = list(self.token_ids)
         child.logprobs = list(self.logprobs)
-        child.generator = None
         child.pending_logprobs = None
         return child
 
