@@ -117,22 +117,37 @@ def _flat(model) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
-def _trpo_worker(rank: int, world_size: int) -> list[float]:
-    model = make_model()
-    batch = make_batch(model)
-    learner = ParallelLearner(model, None, ParallelConfig(), engine_copy="none")
-    trpo_update(learner, batch, max_kl=1e-2, damping=0.1, cg_iters=10)
-    return _flat(learner.trainer.pm.stage)  # plain floats: tensors through the result queue can stall
+def _trpo_worker(rank: int, world_size: int) -> list[list[float]]:
+    out = []
+    for fraction in (1.0, 0.5):
+        model = make_model()
+        batch = make_batch(model)
+        learner = ParallelLearner(model, None, ParallelConfig(), engine_copy="none")
+        trpo_update(learner, batch, max_kl=1e-2, damping=0.1, cg_iters=10, fisher_fraction=fraction)
+        out.append(_flat(learner.trainer.pm.stage))  # plain floats: tensors through the result queue can stall
+    return out
 
 
 def test_trpo_data_parallel_equals_one_process():
-    """Fisher-vector products, gradients and line-search values all-reduced: two ranks take one process's step."""
-    model = make_model()
-    trpo_update(LocalLearner(model, None), make_batch(model), max_kl=1e-2, damping=0.1, cg_iters=10)
-    ref = torch.tensor(_flat(model))
-    assert not torch.equal(ref, torch.tensor(_flat(make_model())))  # the step moved the parameters
+    """Fisher-vector products, gradients and line-search values all-reduced: two ranks take one process's step,
+    also with the products on half the rows (picked on the global batch)."""
+    refs = []
+    for fraction in (1.0, 0.5):
+        model = make_model()
+        trpo_update(
+            LocalLearner(model, None),
+            make_batch(model),
+            max_kl=1e-2,
+            damping=0.1,
+            cg_iters=10,
+            fisher_fraction=fraction,
+        )
+        refs.append(torch.tensor(_flat(model)))
+        assert not torch.equal(refs[-1], torch.tensor(_flat(make_model())))  # the step moved the parameters
+    assert not torch.allclose(refs[0], refs[1], rtol=1e-4, atol=1e-6)  # subsampling changes the step
     for got in spawn(_trpo_worker, 2, timeout_s=120):
-        assert torch.allclose(torch.tensor(got), ref, rtol=1e-4, atol=1e-6)
+        for g, ref in zip(got, refs):
+            assert torch.allclose(torch.tensor(g), ref, rtol=1e-4, atol=1e-6)
 
 
 def test_ppo_trains_its_critic_and_resumes(tmp_path):

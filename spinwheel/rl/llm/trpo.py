@@ -70,13 +70,20 @@ def trpo_update(
     ``fisher_fraction`` < 1 runs the conjugate gradient's Fisher-vector products on an evenly strided subset of
     the rows (:func:`fisher_rows`; OpenAI baselines' TRPO uses a fifth), so a large batch's gradient costs its full
     forward and backward but each of the ``cg_iters`` products only a fraction; the gradient, the surrogate and the
-    line search's KL check stay on every row, so the step still keeps the whole batch's KL ≤ ``max_kl``."""
+    line search's KL check stay on every row, so the step still keeps the whole batch's KL ≤ ``max_kl``. The rows are
+    chosen on the global batch, so data-parallel ranks take the step one process takes."""
     model, reduce = trpo_module(learner)
+    # the Fisher rows are picked on the global batch (and their weights scaled to its sum), so every layout
+    # computes the same products: each rank keeps the picked rows of its own slice
+    sub = fisher_rows(batch["weights"], fisher_fraction)
+    fisher_scale = 1.0 if sub is None else float(batch["weights"].sum() / batch["weights"][sub].sum())
     if reduce is not None:
         dp = learner.dims.dp_axis  # type: ignore[attr-defined]
         b = batch["input_ids"].shape[0]
-        rows = slice(dp.rank * (b // dp.size), (dp.rank + 1) * (b // dp.size))
-        batch = {k: v[rows] for k, v in batch.items()}
+        lo, hi = dp.rank * (b // dp.size), (dp.rank + 1) * (b // dp.size)
+        batch = {k: v[lo:hi] for k, v in batch.items()}
+        if sub is not None:
+            sub = sub[(sub >= lo) & (sub < hi)] - lo
     ids, labels, w, adv = batch["input_ids"], batch["labels"], batch["weights"], batch["advantages"]
     with torch.no_grad():
         old_full = F.log_softmax(model(ids).float(), dim=-1)  # (b, T, V): π_old over the whole vocabulary
@@ -95,13 +102,11 @@ def trpo_update(
 
     # π_old(v) · … over the whole vocabulary is full of denormals (probabilities of e^-90 and below), which slow
     # CPU kernels about 2× here: flush them.
-    sub = fisher_rows(w, fisher_fraction)
-    w_sub = w[sub] * (w.sum() / w[sub].sum()) if sub is not None else w
     with flush_denormal(ids.device.type == "cpu"):
         params, fvp = (
             logit_fisher_product(model, ids, w, old_full, damping, reduce)
             if sub is None
-            else logit_fisher_product(model, ids[sub], w_sub, old_full[sub], damping, reduce)
+            else logit_fisher_product(model, ids[sub], w[sub] * fisher_scale, old_full[sub], damping, reduce)
         )
         return trust_region_step(
             params,
