@@ -4,6 +4,7 @@ imported) pass against it; aborts (disconnects, stalled readers) free the blocks
 process killed mid-stream fails its requests with error objects, answers 503 on /health, and is restarted, or the
 server exits with the reason; never a hang."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -88,28 +89,64 @@ def _wait_engine_idle(ep: EngineProcess, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _without_metrics(out):
+    return dataclasses.replace(out, metrics={})
+
+
 def test_deltas_rebuild_the_engines_outputs_exactly_and_stay_small():
-    """Every step's outputs, sent as deltas and rebuilt, equal the engine's own: sampling with n = 3, stop strings
-    and logprobs, prompt logprobs, beam search (whose beams change under it). A delta holds the step's new
-    tokens, not the output so far."""
-    engine = LLMEngine(_long_context_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=256))
-    engine.add_request("long", "hello", SamplingParams(max_tokens=400, ignore_eos=True, logprobs=2))
-    engine.add_request("n3", "12+34=", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30, stop=["1", "xy"]))
-    engine.add_request("plp", "the prompt", SamplingParams(max_tokens=5, prompt_logprobs=2, temperature=0))
-    engine.add_request("beam", "ab", SamplingParams(use_beam_search=True, n=3, max_tokens=12, temperature=0))
-    encoder, decoder = DeltaEncoder(), DeltaDecoder()
-    sizes: dict[int, tuple[int, int]] = {}
+    """Every step's outputs of an engine that decodes and checks stop strings itself equal those rebuilt from the
+    deltas of one that does neither (the engine process's), detokenized and stop-checked on the other side, whose
+    stop / abort commands go back to it: sampling with n = 3, stop strings and logprobs, prompt logprobs, beam
+    search (whose beams change under it). A delta holds the step's new tokens and no text."""
+    tok = spinwheel.Tokenizer.char_level()
+    reference = LLMEngine(_long_context_model(), tok, EngineConfig(num_kv_blocks=256))
+    engine = LLMEngine(_long_context_model(), tok, EngineConfig(num_kv_blocks=256))
+    engine.output_processor.tokenizer = None  # as EngineSpec.build leaves it
+    encoder, decoder = DeltaEncoder(engine.output_processor), DeltaDecoder(tok)
+    requests = {
+        "long": ("hello", SamplingParams(max_tokens=400, ignore_eos=True, logprobs=2)),
+        "n3": ("12+34=", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30, stop=["1", "xy"], logprobs=1)),
+        "plp": ("the prompt", SamplingParams(max_tokens=5, prompt_logprobs=2, temperature=0)),
+        "beam": ("ab", SamplingParams(use_beam_search=True, n=3, max_tokens=12, temperature=0)),
+        "cut": ("xyz", SamplingParams(max_tokens=200, ignore_eos=True, seed=3, stop=["a", "b", "c"])),
+    }
+    for rid, (prompt, params) in requests.items():
+        reference.add_request(rid, prompt, params)
+        engine.add_request(rid, tok.encode(prompt), params)
+        decoder.add(rid, prompt, tok.encode(prompt), params)
+    sizes: dict[int, int] = {}
+    commands, final = [], {}
     for step in range(1000):
-        if not engine.has_unfinished_requests():
+        if not reference.has_unfinished_requests():
             break
-        for out in engine.step(stream=True):
-            delta = pickle.dumps(encoder.encode(out))
-            assert decoder.decode(pickle.loads(delta)) == out, (step, out.request_id)
-            if out.request_id == "long":
-                sizes[len(out.outputs[0].token_ids)] = (len(delta), len(pickle.dumps(out)))
+        expected = {o.request_id: o for o in reference.step(stream=True)}
+        for command in commands:
+            if command[0] == "stop":
+                engine.stop_sample(*command[1:])
+            else:
+                engine.abort(command[1])
+        got = {}
+        for group in engine.step_groups(stream=True):
+            delta = pickle.dumps(encoder.encode(group))
+            assert b"hello" not in delta and (group.params.use_beam_search or b"text" not in delta)
+            out = decoder.decode(pickle.loads(delta))
+            if out is not None:
+                got[out.request_id] = out
+            if group.request_id == "long":
+                sizes[len(group.seqs[0].output_token_ids)] = len(delta)
+        commands = decoder.take_commands()
+        assert {k: _without_metrics(v) for k, v in got.items()} == {
+            k: _without_metrics(v) for k, v in expected.items()
+        }, step
+        final.update({k: v for k, v in got.items() if v.finished})
+    assert final["cut"].outputs[0].stop_reason in ("a", "b", "c") and len(final["cut"].outputs[0].token_ids) < 100
+    assert sorted(c.finish_reason for c in final["n3"].outputs) == ["length", "length", "stop"]  # one sample stops
+    assert commands == []
+    while engine.has_unfinished_requests():
+        assert all(decoder.decode(encoder.encode(g)) is None for g in engine.step_groups())
+    assert engine.block_manager.num_used_blocks == 0
     assert len(encoder) == len(decoder) == 0  # finished requests leave no state behind
-    assert sizes[399][0] < 1.5 * sizes[20][0]  # a late delta is about the size of an early one
-    assert sizes[399][1] > 10 * sizes[399][0]  # ... where the whole output is over ten times bigger
+    assert sizes[399] < 1.5 * sizes[20]  # a late delta is about the size of an early one
 
 
 def test_concurrent_streams_with_disconnects_free_every_block_in_the_engine_process(server):
@@ -182,7 +219,7 @@ class _FlakySpec(EngineSpec):
 
     def build(self) -> LLMEngine:
         engine = super().build()
-        real_step, calls = engine.step, []
+        real_step, calls = engine.step_groups, []
 
         def flaky_step(stream: bool = True):
             calls.append(1)
@@ -190,7 +227,7 @@ class _FlakySpec(EngineSpec):
                 raise RuntimeError("injected fault")
             return real_step(stream)
 
-        engine.step = flaky_step
+        engine.step_groups = flaky_step
         return engine
 
 

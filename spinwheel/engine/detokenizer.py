@@ -1,0 +1,119 @@
+"""Output text a few tokens at a time, and the stop strings checked on it as it grows.
+
+Decoding a sequence's whole output after every step costs O(t) per step, O(t^2) per request. An
+:class:`IncrementalDetokenizer` decodes only a short window per step, the way vLLM's incremental detokenizer does with
+its prefix and read offsets: ``ids[prefix:read]`` is the piece of text emitted last (decoded again as context, since
+decoders such as SentencePiece's Metaspace drop a leading space of the first token they see, and byte-level BPE needs
+the bytes before a character's continuation), ``ids[prefix:]`` the same piece plus the new tokens. The difference of
+the two decodes is the new text; while it ends in U+FFFD (a multi-byte character whose remaining bytes are still to
+come) nothing is emitted and the offsets stay, so the text streamed equals the decode of all ids at once.
+
+:class:`OutputText` adds the request's stop strings (and ``min_tokens``) on top: the engine uses it for offline and
+in-process serving, the API process for an engine in its own process; both therefore cut the same text at the same
+token.
+"""
+
+from __future__ import annotations
+
+from spinwheel.engine.sampling_params import SamplingParams
+from spinwheel.models.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Token ids -> text, the new ids of each step at a time (``push``); ``flush`` at the end emits what a last,
+    incomplete character still holds back (as U+FFFD, as a full decode would)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # token_ids[_prefix:_read] decode to the end of ``text``: context for the next ones
+        self._read = 0  # token_ids[:_read] are in ``text``
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, final: bool) -> str:
+        ids = self.token_ids
+        if self._read == len(ids):
+            return ""
+        context = self._decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        window = self._decode(ids[self._prefix :])
+        if len(window) <= len(context) or (window.endswith("\ufffd") and not final):
+            return ""  # nothing printable yet (a special token skipped, or a character still incomplete)
+        new = window[len(context) :]
+        self._prefix, self._read = self._read, len(ids)
+        self.text += new
+        return new
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add ``token_ids``; returns the text they complete (possibly empty)."""
+        self.token_ids += token_ids
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The output is complete: emit what is held back."""
+        return self._advance(final=True)
+
+
+class OutputText:
+    """One sample's output text and its stop-string check (what ``SamplingParams`` asks: ``stop``,
+    ``include_stop_str_in_output``, ``min_tokens``, ``skip_special_tokens``).
+
+    A stop string is looked for once the output holds ``min_tokens`` tokens: the first time in all the text so
+    far, then only where a new one could be (from ``max(len(stop)) - 1`` characters before the new text), so a stop
+    string split across tokens or steps is found at the token that completes it. The earliest match wins (ties: the
+    smaller string), as a search of the whole text would give."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.stop = [s for s in params.stop or [] if s]  # type: ignore[union-attr]
+        self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._checked: int | None = None  # text length at the last stop check (None: not checked yet)
+        self.stop_reason: str | None = None
+        self.text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.detokenizer.token_ids)
+
+    def append(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Add the tokens of a step and check the stop strings (unless ``check_stop`` is False: a token that ended
+        the output itself, EOS or a stop token). Returns the stop string hit, after which ``text`` is cut and
+        further tokens are ignored; else None."""
+        if self.stop_reason is not None:
+            return None
+        self.detokenizer.push(token_ids)
+        self.text = self.detokenizer.text
+        if not check_stop or not self.stop or self.num_tokens < self.min_tokens:
+            return None
+        return self._check()
+
+    def _check(self) -> str | None:
+        text = self.text
+        start = 0 if self._checked is None else max(0, self._checked - self._max_stop + 1)
+        self._checked = len(text)
+        hits = [(pos, s) for s in self.stop if (pos := text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        pos, stop = min(hits)
+        self.text = text[: pos + len(stop)] if self.include_stop else text[:pos]
+        self.stop_reason = stop
+        return stop
+
+    def finish(self) -> str:
+        """The output ended (not by a stop string): its whole text."""
+        if self.stop_reason is None:
+            self.detokenizer.flush()
+            self.text = self.detokenizer.text
+        return self.text
+
+    def sync(self, token_ids: list[int], start: int, check_stop: bool = True) -> str | None:
+        """Catch up with a sequence's ``token_ids`` whose output begins at ``start`` (the prompt's length): append
+        the ids not seen yet. For the engine, which keeps the ids on the sequence."""
+        seen = start + self.num_tokens
+        if len(token_ids) == seen:
+            return None
+        return self.append(token_ids[seen:], check_stop)
