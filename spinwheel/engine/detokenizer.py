@@ -60,18 +60,16 @@ class OutputText:
     """One sample's output text and its stop-string check (what ``SamplingParams`` asks: ``stop``,
     ``include_stop_str_in_output``, ``min_tokens``, ``skip_special_tokens``).
 
-    A stop string is looked for once the output holds ``min_tokens`` tokens: the first time in all the text so
-    far, then only where a new one could be (from ``max(len(stop)) - 1`` characters before the new text), so a stop
-    string split across tokens or steps is found at the token that completes it. The earliest match wins (ties: the
-    smaller string), as a search of the whole text would give."""
+    A stop string is looked for where it would end in the new text of a step (from ``len(stop) - 1`` characters
+    before it), once the output holds ``min_tokens`` tokens, as vLLM does: one split across tokens or
+    steps is found at the token that completes it, and one that ended before ``min_tokens`` is not, so the text
+    streamed before never has to be taken back. The earliest match wins (ties: the smaller string)."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stop = [s for s in params.stop or [] if s]  # type: ignore[union-attr]
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
-        self._max_stop = max((len(s) for s in self.stop), default=0)
-        self._checked: int | None = None  # text length at the last stop check (None: not checked yet)
         self.stop_reason: str | None = None
         self.text = ""
 
@@ -85,17 +83,13 @@ class OutputText:
         further tokens are ignored; else None."""
         if self.stop_reason is not None:
             return None
-        self.detokenizer.push(token_ids)
-        self.text = self.detokenizer.text
+        before = len(self.text)
+        if not self.detokenizer.push(token_ids):
+            return None
+        self.text = text = self.detokenizer.text
         if not check_stop or not self.stop or self.num_tokens < self.min_tokens:
             return None
-        return self._check()
-
-    def _check(self) -> str | None:
-        text = self.text
-        start = 0 if self._checked is None else max(0, self._checked - self._max_stop + 1)
-        self._checked = len(text)
-        hits = [(pos, s) for s in self.stop if (pos := text.find(s, start)) >= 0]
+        hits = [(pos, s) for s in self.stop if (pos := text.find(s, max(0, before - len(s) + 1))) >= 0]
         if not hits:
             return None
         pos, stop = min(hits)
