@@ -5,8 +5,8 @@ sequence is done (a stop token, EOS once ``min_tokens`` are out, a stop string i
 or the model context); :meth:`OutputProcessor.request_output` turns a group into its cumulative output. Text is
 decoded incrementally (:class:`~spinwheel.engine.detokenizer.OutputText`, only the new tokens of a step) for the
 sequences whose text is needed before they finish (stop strings, streaming); an output first needed when it is
-finished (offline generation) is decoded once, whole. An engine whose caller detokenizes and checks stop strings
-itself (the engine process: its API process does) sets ``check_stop_strings`` False.
+finished (offline generation) is decoded once, whole. An output processor without a tokenizer decodes nothing and
+checks no stop strings: the engine process's, whose API process does both.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
-        self.check_stop_strings = True
         self._texts: dict[int, OutputText] = {}  # seq_id -> its text so far, for sequences still running
 
     def _text(self, seq: Sequence, params: SamplingParams) -> OutputText:
@@ -45,7 +44,7 @@ class OutputProcessor:
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         elif not params.ignore_eos and token in self.eos_ids and seq.num_output_tokens >= params.min_tokens:
             seq.status = SequenceStatus.FINISHED_STOPPED
-        elif params.stop and self.check_stop_strings and self.tokenizer is not None:
+        elif params.stop and self.tokenizer is not None:
             text = self._text(seq, params)
             stop = text.sync(seq.token_ids, seq.num_prompt_tokens)
             if stop is not None:
