@@ -41,27 +41,32 @@ def _chunks(ids: list[int], cuts: list[int]) -> list[list[int]]:
     return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["DecodeStream", "python"])
 @pytest.mark.parametrize("tok", [CHAR, BPE], ids=["char", "byte-bpe"])
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), skip=st.booleans())
-def test_incremental_decode_equals_the_full_decode(tok, data, skip):
+def test_incremental_decode_equals_the_full_decode(tok, native, data, skip):
     ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=40))
     cuts = data.draw(st.lists(st.integers(0, 40), max_size=12))
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip, native=native)
     streamed = ""
     for chunk in _chunks(ids, cuts):
         streamed += detok.push(chunk)
         assert detok.text == streamed
+    full = tok.decode(ids, skip_special_tokens=skip)
+    # what is still held back at the end is an incomplete character (and what came with it), never more
+    assert full.startswith(streamed) and (full == streamed or full.endswith("\ufffd"))
     streamed += detok.flush()
-    assert streamed == detok.text == tok.decode(ids, skip_special_tokens=skip)
+    assert streamed == detok.text == full
 
 
-def test_a_character_split_over_tokens_is_held_until_complete():
+@pytest.mark.parametrize("native", [True, False], ids=["DecodeStream", "python"])
+def test_a_character_split_over_tokens_is_held_until_complete(native):
     ids = BPE.encode("🙂", add_special_tokens=False)
     ((mapped, _),) = BPE.backend.pre_tokenizer.pre_tokenize_str("🚀")  # its 4 bytes as byte-level symbols
     byte_ids = [BPE.backend.token_to_id(c) for c in mapped]  # one token per byte
     assert len(byte_ids) == 4 and BPE.decode(byte_ids[:2]).endswith("\ufffd")
-    detok = IncrementalDetokenizer(BPE)
+    detok = IncrementalDetokenizer(BPE, native=native)
     assert [detok.push([i]) for i in byte_ids] == ["", "", "", "🚀"]
     assert detok.push(ids) == "🙂"
     # an output that ends inside a character: the full decode's U+FFFD comes out at the end

@@ -7,6 +7,7 @@ decoders such as SentencePiece's Metaspace drop a leading space of the first tok
 the bytes before a character's continuation), ``ids[prefix:]`` the same piece plus the new tokens. The difference of
 the two decodes is the new text; while it ends in U+FFFD (a multi-byte character whose remaining bytes are still to
 come) nothing is emitted and the offsets stay, so the text streamed equals the decode of all ids at once.
+``tokenizers`` >= 0.21 does the same in Rust (``DecodeStream``), which is used when it is there.
 
 :class:`OutputText` adds the request's stop strings (and ``min_tokens``) on top: the engine uses it for offline and
 in-process serving, the API process for an engine in its own process; both therefore cut the same text at the same
@@ -18,17 +19,28 @@ from __future__ import annotations
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.models.tokenizer import Tokenizer
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: the windows are decoded in Python
+    DecodeStream = None
+
 
 class IncrementalDetokenizer:
     """Token ids -> text, the new ids of each step at a time (``push``); ``flush`` at the end emits what a last,
-    incomplete character still holds back (as U+FFFD, as a full decode would)."""
+    incomplete character still holds back (as U+FFFD, as a full decode would).
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    With ``tokenizers`` >= 0.21 the windows are decoded by its ``DecodeStream`` (the same offsets, in Rust: one call
+    per token instead of two decodes); ``native=False`` (or an older ``tokenizers``) decodes them here."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, native: bool | None = None) -> None:
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix = 0  # token_ids[_prefix:_read] decode to the end of ``text``: context for the next ones
         self._read = 0  # token_ids[:_read] are in ``text``
+        native = DecodeStream is not None if native is None else native
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if native else None
+        self._held = False  # native: the last token gave no text (held back, or a special token skipped)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -49,11 +61,28 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> str:
         """Add ``token_ids``; returns the text they complete (possibly empty)."""
         self.token_ids += token_ids
-        return self._advance(final=False)
+        if self._stream is None:
+            return self._advance(final=False)
+        step, backend, new = self._stream.step, self.tokenizer.backend, ""
+        for token in token_ids:
+            piece = step(backend, token)
+            self._held = piece is None
+            if piece is not None:
+                new += piece
+        self.text += new
+        return new
 
     def flush(self) -> str:
         """The output is complete: emit what is held back."""
-        return self._advance(final=True)
+        if self._stream is None:
+            return self._advance(final=True)
+        if not self._held:
+            return ""
+        self._held = False
+        full = self._decode(self.token_ids)  # once per output, and only when its last token gave no text
+        new = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += new
+        return new
 
 
 class OutputText:

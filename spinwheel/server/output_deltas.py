@@ -23,8 +23,10 @@ from typing import NamedTuple
 from spinwheel.engine import CompletionOutput, RequestOutput, SamplingParams
 from spinwheel.engine.detokenizer import OutputText
 from spinwheel.engine.output_processor import OutputProcessor
-from spinwheel.engine.sequence import SequenceGroup
+from spinwheel.engine.sequence import SequenceGroup, SequenceStatus
 from spinwheel.models.tokenizer import Tokenizer
+
+_RUNNING = SequenceStatus.RUNNING
 
 
 class SampleDelta(NamedTuple):
@@ -42,7 +44,7 @@ class RequestDelta(NamedTuple):
     request_id: str
     samples: list[SampleDelta]  # the samples with news
     finished: bool
-    metrics: dict[str, float]  # arrival, first token and finish times (monotonic), as far as known
+    metrics: dict[str, float] | None  # arrival and first token times (first delta), finish time (last); monotonic
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the request's first delta
     prompt_logprob_ranks: list[int | None] | None = None
     error: str | None = None
@@ -66,30 +68,33 @@ class DeltaEncoder:
     def encode(self, group: SequenceGroup) -> RequestDelta:
         first = group.request_id not in self._sent
         sent = self._sent.setdefault(group.request_id, {})
-        metrics = {"arrival_time": group.arrival_time}
-        if group.first_token_time is not None:
-            metrics["first_token_time"] = group.first_token_time
-        if group.finish_time is not None:
-            metrics["finish_time"] = group.finish_time
         samples: list[SampleDelta] = []
         beams = None
         if group.params.use_beam_search:
             beams = self.output_processor.request_output(group).outputs
+            finished = group.is_finished
         else:
-            want_logprobs = group.params.logprobs is not None
+            want_logprobs, finished = group.params.logprobs is not None, True
             for s in group.seqs:
-                old = sent.get(s.index, _Sent(0, 0, False))
-                finished = s.status.is_finished
-                start = s.num_prompt_tokens + old.num_tokens
-                if len(s.token_ids) == start and finished == old.finished and s.index in sent:
+                status = s.status  # compared by identity: an enum's hash and properties cost Python calls
+                reason = None if status is _RUNNING else status.finish_reason
+                finished = finished and reason is not None
+                old = sent.get(s.index)
+                start = s.num_prompt_tokens + (0 if old is None else old.num_tokens)
+                if old is not None and len(s.token_ids) == start and (reason is not None) == old.finished:
                     continue
-                new_ids = s.token_ids[start:]
-                new_lps = s.logprobs[old.num_logprobs :] if want_logprobs else None
+                new_lps = s.logprobs[0 if old is None else old.num_logprobs :] if want_logprobs else None
                 samples.append(
-                    SampleDelta(s.index, new_ids, new_lps, s.cumulative_logprob, s.status.finish_reason, s.stop_reason)
+                    SampleDelta(s.index, s.token_ids[start:], new_lps, s.cumulative_logprob, reason, s.stop_reason)
                 )
-                sent[s.index] = _Sent(len(s.token_ids) - s.num_prompt_tokens, len(s.logprobs), finished)
-        finished = group.is_finished
+                sent[s.index] = _Sent(len(s.token_ids) - s.num_prompt_tokens, len(s.logprobs), reason is not None)
+        metrics = None
+        if first or finished:  # the first delta has the arrival and first token times, the last the finish time
+            metrics = {"arrival_time": group.arrival_time}
+            if group.first_token_time is not None:
+                metrics["first_token_time"] = group.first_token_time
+            if group.finish_time is not None:
+                metrics["finish_time"] = group.finish_time
         if finished:
             del self._sent[group.request_id]
         return RequestDelta(
@@ -172,7 +177,8 @@ class DeltaDecoder:
         req = self._requests.get(delta.request_id)
         if req is None:
             return None
-        req.metrics.update(delta.metrics)
+        if delta.metrics:
+            req.metrics.update(delta.metrics)
         if delta.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_logprob_ranks = delta.prompt_logprobs, delta.prompt_logprob_ranks
         if delta.beams is not None:
