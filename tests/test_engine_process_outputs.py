@@ -4,21 +4,26 @@ engine on a thread (which checks stop strings itself) and of the offline ``LLM.g
 strings that straddle tokens and steps, ``include_stop_str_in_output``, ``min_tokens`` with a stop string, n > 1,
 logprobs and top logprobs, prompt logprobs, beam search, special tokens skipped or not, EOS and stop token ids;
 over HTTP the same for streaming and not, best_of and echo. A stop string found in the API process stops the
-request in the engine, whose blocks are all free afterwards."""
+request in the engine, whose blocks are all free afterwards. The deltas hold no text, and a late one is as small as
+an early one."""
 
 import asyncio
+import dataclasses
 import json
+import pickle
 
 import httpx
 import pytest
 from test_server import MODEL, _model
 from test_server_engine_process import _spec, _wait_engine_idle
+from test_server_hostile import _eventually, _long_context_model
 
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.server import BackgroundServer, OpenAIServer
-from spinwheel.server.async_engine import AsyncEngine
+from spinwheel.server.async_engine import AsyncEngine, EngineDeadError
 from spinwheel.server.engine_client import EngineProcess
+from spinwheel.server.output_deltas import DeltaDecoder, DeltaEncoder
 
 TOK = spinwheel.Tokenizer.char_level()
 BOS, EOS = TOK.bos_id, TOK.eos_id
@@ -140,6 +145,87 @@ def test_a_stop_string_in_the_api_process_frees_the_request_in_the_engine(proces
     assert "stop" in {c.finish_reason for c in stream[-1].outputs}
     _wait_engine_idle(process)
     assert process.snapshot().num_used_blocks == 0 and process.snapshot().num_block_tables == 0
+
+
+def _without_metrics(out):
+    return dataclasses.replace(out, metrics={})
+
+
+def test_deltas_rebuild_the_engines_outputs_exactly_and_stay_small():
+    """Every step's outputs of an engine that decodes and checks stop strings itself equal those rebuilt from the
+    deltas of one that does neither (the engine process's), detokenized and stop-checked on the other side, whose
+    stop / abort commands go back to it: sampling with n = 3, stop strings and logprobs, prompt logprobs, beam
+    search (whose beams change under it). A delta holds the step's new tokens and no text."""
+    tok = spinwheel.Tokenizer.char_level()
+    reference = LLMEngine(_long_context_model(), tok, EngineConfig(num_kv_blocks=256))
+    engine = LLMEngine(_long_context_model(), tok, EngineConfig(num_kv_blocks=256))
+    engine.output_processor.tokenizer = None  # as EngineSpec.build leaves it
+    encoder, decoder = DeltaEncoder(engine.output_processor), DeltaDecoder(tok)
+    requests = {
+        "long": ("hello", SamplingParams(max_tokens=400, ignore_eos=True, logprobs=2)),
+        "n3": ("12+34=", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30, stop=["1", "xy"], logprobs=1)),
+        "plp": ("the prompt", SamplingParams(max_tokens=5, prompt_logprobs=2, temperature=0)),
+        "beam": ("ab", SamplingParams(use_beam_search=True, n=3, max_tokens=12, temperature=0)),
+        "cut": ("xyz", SamplingParams(max_tokens=200, ignore_eos=True, seed=3, stop=["a", "b", "c"])),
+    }
+    for rid, (prompt, params) in requests.items():
+        reference.add_request(rid, prompt, params)
+        engine.add_request(rid, tok.encode(prompt), params)
+        decoder.add(rid, prompt, tok.encode(prompt), params)
+    sizes: dict[int, int] = {}
+    commands, final = [], {}
+    for step in range(1000):
+        if not reference.has_unfinished_requests():
+            break
+        expected = {o.request_id: o for o in reference.step(stream=True)}
+        for command in commands:
+            if command[0] == "stop":
+                engine.stop_sample(*command[1:])
+            else:
+                engine.abort(command[1])
+        got = {}
+        for group in engine.step_groups(stream=True):
+            delta = pickle.dumps(encoder.encode(group))
+            assert b"hello" not in delta and (group.params.use_beam_search or b"text" not in delta)
+            out = decoder.decode(pickle.loads(delta))
+            if out is not None:
+                got[out.request_id] = out
+            if group.request_id == "long":
+                sizes[len(group.seqs[0].output_token_ids)] = len(delta)
+        commands = decoder.take_commands()
+        assert {k: _without_metrics(v) for k, v in got.items()} == {
+            k: _without_metrics(v) for k, v in expected.items()
+        }, step
+        final.update({k: v for k, v in got.items() if v.finished})
+    assert final["cut"].outputs[0].stop_reason in ("a", "b", "c") and len(final["cut"].outputs[0].token_ids) < 100
+    assert sorted(c.finish_reason for c in final["n3"].outputs) == ["length", "length", "stop"]  # one sample stops
+    assert commands == []
+    while engine.has_unfinished_requests():
+        assert all(decoder.decode(encoder.encode(g)) is None for g in engine.step_groups())
+    assert engine.block_manager.num_used_blocks == 0
+    assert len(encoder) == len(decoder) == 0  # finished requests leave no state behind
+    assert sizes[399] < 1.5 * sizes[20]  # a late delta is about the size of an early one
+
+
+def test_a_failure_handling_the_engines_output_fails_the_requests_and_restarts_the_engine():
+    """A bug in the API process's handling of a step (here: the decoder raises) fails the requests in flight with
+    an error and restarts the engine process; it never leaves them waiting."""
+    ep = EngineProcess(_spec(), max_restarts=1)
+
+    def broken(delta):
+        raise RuntimeError("injected decoder fault")
+
+    async def generate():
+        return [out async for out in ep.generate("r", TOK.encode("ab"), SamplingParams(max_tokens=5))]
+
+    try:
+        ep._decoder.decode = broken
+        with pytest.raises(EngineDeadError, match="injected decoder fault"):
+            asyncio.run(asyncio.wait_for(generate(), 60))
+        _eventually(lambda: ep.alive, 60)
+        assert ep.num_restarts == 1 and asyncio.run(generate())[-1].outputs[0].finish_reason == "length"
+    finally:
+        ep.shutdown()
 
 
 def _sse_choices(url: str, body: dict) -> dict[int, dict]:

@@ -227,16 +227,23 @@ class EngineProcess(StreamingEngine):
 
     # ---- the reader thread ----
     def _read(self, child: _Child) -> None:
+        failure = None
         while True:
             try:
                 message = pickle.loads(child.conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            if message[0] == "step":
-                self._on_step(*message[1:])
-            elif message[0] == "failed":
-                self._on_failed(*message[1:])
-        self._on_exit(child)
+            try:
+                if message[0] == "step":
+                    self._on_step(*message[1:])
+                elif message[0] == "failed":
+                    self._on_failed(*message[1:])
+            except Exception as e:  # a bug here must not leave every request waiting: restart the engine instead
+                logger.exception("the engine's %r message could not be handled", message[0])
+                failure = f"the engine client failed on the engine's output ({e!r}): the engine process was stopped"
+                child.close()
+                break
+        self._on_exit(child, failure)
 
     def _on_step(self, deltas: list[RequestDelta], step_s: float, snapshot: EngineSnapshot) -> None:
         decoder = self._decoder
@@ -266,11 +273,11 @@ class EngineProcess(StreamingEngine):
             self._decoder.forget(rid)
         _deliver(items)
 
-    def _on_exit(self, child: _Child) -> None:
+    def _on_exit(self, child: _Child, failure: str | None = None) -> None:
         child.proc.join(5)
         if self._closing:
             return
-        reason = f"the engine process (pid {child.proc.pid}) {describe_exit(child.proc.exitcode)}"
+        reason = failure or f"the engine process (pid {child.proc.pid}) {describe_exit(child.proc.exitcode)}"
         logger.error("%s; failing the requests in flight", reason)
         error = EngineDeadError(reason)
         with self._lock:
