@@ -14,9 +14,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
 from spinwheel.engine.detokenizer import IncrementalDetokenizer, OutputText
-from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.models.tokenizer import Tokenizer, load_tokenizer
 
-CHAR = Tokenizer.char_level()
+CHAR = load_tokenizer("small")  # the built-in character tokenizer, a real `tokenizers` one
 
 
 def _byte_bpe() -> Tokenizer:
