@@ -144,7 +144,8 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: dict[int, _Sample] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
+    num_finished: int = 0  # samples with a finish reason
+    metrics: dict[str, float] = field(default_factory=dict)  # replaced, never changed: outputs share it
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
 
@@ -178,7 +179,7 @@ class DeltaDecoder:
         if req is None:
             return None
         if delta.metrics:
-            req.metrics.update(delta.metrics)
+            req.metrics = {**req.metrics, **delta.metrics}
         if delta.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_logprob_ranks = delta.prompt_logprobs, delta.prompt_logprob_ranks
         if delta.beams is not None:
@@ -189,12 +190,10 @@ class DeltaDecoder:
         else:
             stopped = [d.index for d in delta.samples if self._apply(req, d)]
             samples = req.samples
-            finished = delta.finished or (
-                len(samples) == req.params.n and all(s.finish_reason is not None for s in samples.values())
-            )
+            finished = delta.finished or req.num_finished == req.params.n
             if finished and not delta.finished:  # done here, by stop strings: the engine is still at it
                 self._commands.append(("abort", delta.request_id))
-                req.metrics.setdefault("finish_time", time.monotonic())
+                req.metrics = {**req.metrics, "finish_time": time.monotonic()}
             elif not finished:
                 self._commands += [("stop", delta.request_id, i, samples[i].stop_reason) for i in stopped]
             outputs = [samples[i].output(i) for i in sorted(samples)]
@@ -208,7 +207,7 @@ class DeltaDecoder:
             finished,
             req.prompt_logprobs,
             delta.error,
-            dict(req.metrics),
+            req.metrics,
             req.prompt_logprob_ranks,
         )
 
@@ -232,6 +231,7 @@ class DeltaDecoder:
                 # exact: a step brings one token per sample, so the hit is at this delta's last token
                 sample.cumulative_logprob = d.cumulative_logprob
                 sample.finish_reason, sample.stop_reason = "stop", stop
+                req.num_finished += 1
                 return True
         sample.token_ids += d.token_ids
         if sample.logprobs is not None and d.logprobs:
@@ -240,4 +240,5 @@ class DeltaDecoder:
         if d.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = d.finish_reason, d.stop_reason
             sample.text.finish()
+            req.num_finished += 1
         return False
