@@ -27,6 +27,7 @@ KINDS = {  # SamplingParams fields of each kind of request
     "beam": {"use_beam_search": True, "n": 2, "temperature": 0.0},
     "logprobs": {"logprobs": 3, "prompt_logprobs": 2},
     "bias": {"logit_bias": {5: 4.0}},
+    "stop": {"stop": ["e", "xy"], "n": 2},  # incrementally decoded text, per sequence
     "too long": {"max_tokens": 500},  # rejected at once: more than the model's context
     "bad id": {},  # a prompt token outside the vocabulary
 }
@@ -118,12 +119,18 @@ def _round(engine: LLMEngine, encoder: DeltaEncoder, seed: int) -> None:
         prompt = [10**6] if kind == "bad id" else rng.choice(PROMPTS)
         engine.add_request(f"{seed}-{i}", prompt, SamplingParams(**params))
         if i % 4 == 3:  # a few steps in between, then abort whatever an earlier request is doing
-            for out in engine.step():
-                encoder.encode(out)
+            _step(engine, encoder)
             engine.abort(f"{seed}-{i - rng.randint(0, 3)}")
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            encoder.encode(out)
+        _step(engine, encoder)
+
+
+def _step(engine: LLMEngine, encoder: DeltaEncoder) -> None:
+    """One step, its groups both encoded as the engine process does and built into outputs (with their text) as
+    the engine on a thread does."""
+    for group in engine.step_groups():
+        encoder.encode(group)
+        engine.output_processor.request_output(group)
 
 
 def test_engine_forgets_finished_rejected_and_aborted_requests():
@@ -134,7 +141,7 @@ def test_engine_forgets_finished_rejected_and_aborted_requests():
         engine = LLMEngine.from_pretrained(
             "test", EngineConfig(block_size=8, num_kv_blocks=24, num_cpu_blocks=96, preemption_mode=mode)
         )
-        encoder = DeltaEncoder()
+        encoder = DeltaEncoder(engine.output_processor)
         _round(engine, encoder, 0)
         tracemalloc.start()
         _round(engine, encoder, 1)
@@ -143,7 +150,7 @@ def test_engine_forgets_finished_rejected_and_aborted_requests():
         grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
         tracemalloc.stop()
         bm, sch = engine.block_manager, engine.scheduler
-        assert not engine._groups and not engine._aborted and not len(encoder)
+        assert not engine._groups and not engine._aborted and not len(encoder) and not engine.output_processor._texts
         assert not (sch.waiting or sch.running or sch.swapped or sch._rejected)
         assert not (bm.block_tables or bm.cpu_block_tables or bm._hashes) and bm.num_used_blocks == 0
         assert sch.num_preemptions > 0, "the pool should be small enough to preempt"

@@ -196,11 +196,25 @@ class LLMEngine:
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Run one iteration. Returns outputs of the requests that progressed (all of them with ``stream``) or
         finished."""
+        return [self.output_processor.request_output(g) for g in self.step_groups(stream)]
+
+    def step_groups(self, stream: bool = True) -> list[SequenceGroup]:
+        """``step`` for a caller that builds its own outputs from the groups (the engine process sends only what
+        is new in each); the finished ones are already forgotten here."""
         with flush_denormal(self.config.flush_denormal):
             out = self.scheduler.schedule()
             step = self.runner.run(out)
             touched = self._process(out, step) if step is not None else {}
             return self._outputs(out, touched, stream)
+
+    def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
+        """Finish decoding sample ``index`` of a running request (a stop string its caller found; the next step
+        frees its blocks). A sample preempted or recomputing runs on: the caller ignores it or aborts the request."""
+        group = self._groups.get(request_id)
+        ok = group is not None and not group.params.use_beam_search and group in self.scheduler.running
+        for s in group.seqs_with(SequenceStatus.RUNNING) if ok else []:  # type: ignore[union-attr]
+            if s.index == index and not s.is_prefill:
+                s.status, s.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_reason
 
     def _process(self, out: SchedulerOutput, step: StepLogits) -> dict[str, SequenceGroup]:
         """Account the computed tokens, sample the rows that completed (forking parallel samples on their first
@@ -270,14 +284,13 @@ class LLMEngine:
         self.scheduler.continue_beams(group, beams, [] if done else choices)
         return len(group.seqs)
 
-    def _outputs(self, out: SchedulerOutput, touched: dict[str, SequenceGroup], stream: bool) -> list[RequestOutput]:
-        """Free finished sequences; outputs of the groups touched this step (all of them with ``stream``) and of
-        those that finished, failed or were aborted."""
+    def _outputs(self, out: SchedulerOutput, touched: dict[str, SequenceGroup], stream: bool) -> list[SequenceGroup]:
+        """Free finished sequences; the groups touched this step (all of them with ``stream``) and those that
+        finished, failed or were aborted."""
         self.last_step = StepInfo(out.num_decode_tokens, out.num_tokens - out.num_decode_tokens, out.num_preempted)
         for group in out.failed + self._aborted + self.scheduler.free_finished():
             touched[group.request_id] = group
         self._aborted = []
-        results = []
         now = time.monotonic()
         if touched:
             self.last_progress_time = now
@@ -285,9 +298,7 @@ class LLMEngine:
             if group.is_finished:
                 group.finish_time = group.finish_time or now
                 self._groups.pop(group.request_id, None)
-            if stream or group.is_finished:
-                results.append(self.output_processor.request_output(group))
-        return results
+        return [g for g in touched.values() if stream or g.is_finished]
 
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler

@@ -2,14 +2,18 @@
 
 The engine appends each sampled token to its sequence and asks :meth:`OutputProcessor.check_stop` whether the
 sequence is done (a stop token, EOS once ``min_tokens`` are out, a stop string in the detokenised text, ``max_tokens``
-or the model context); :meth:`OutputProcessor.request_output` turns a group into its cumulative output, which a
-streaming server diffs against the previous one.
+or the model context); :meth:`OutputProcessor.request_output` turns a group into its cumulative output. Text is
+decoded incrementally (:class:`~spinwheel.engine.detokenizer.OutputText`, only the new tokens of a step) for the
+sequences whose text is needed before they finish (stop strings, streaming); an output first needed when it is
+finished (offline generation) is decoded once, whole. An output processor without a tokenizer decodes nothing and
+checks no stop strings: the engine process's, whose API process does both.
 """
 
 from __future__ import annotations
 
 import torch
 
+from spinwheel.engine.detokenizer import OutputText
 from spinwheel.engine.model_runner import StepLogits
 from spinwheel.engine.outputs import CompletionOutput, RequestOutput
 from spinwheel.engine.sampler import top_logprobs
@@ -23,6 +27,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        self._texts: dict[int, OutputText] = {}  # seq_id -> its text so far, for sequences still running
+
+    def _text(self, seq: Sequence, params: SamplingParams) -> OutputText:
+        assert self.tokenizer is not None
+        text = self._texts.get(seq.seq_id)
+        if text is None:
+            text = self._texts[seq.seq_id] = OutputText(self.tokenizer, params)
+        return text
 
     def check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         """Finish ``seq`` if its last token ends it; a stop string also cuts ``seq.text`` where it starts (or, with
@@ -32,12 +44,11 @@ class OutputProcessor:
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         elif not params.ignore_eos and token in self.eos_ids and seq.num_output_tokens >= params.min_tokens:
             seq.status = SequenceStatus.FINISHED_STOPPED
-        elif params.stop and self.tokenizer is not None and seq.num_output_tokens >= params.min_tokens:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-            hits = [(text.find(s), s) for s in params.stop if s and s in text]
-            if hits:
-                pos, stop = min(hits)
-                seq.text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+        elif params.stop and self.tokenizer is not None:
+            text = self._text(seq, params)
+            stop = text.sync(seq.token_ids, seq.num_prompt_tokens)
+            if stop is not None:
+                seq.text = text.text
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
         if not seq.status.is_finished and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
@@ -71,6 +82,26 @@ class OutputProcessor:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def output_text(self, seq: Sequence, params: SamplingParams) -> str:
+        """``seq``'s text: cut at its stop string, else decoded incrementally while it runs (and when it finishes,
+        if it was decoded so before), else whole."""
+        if isinstance(seq.stop_reason, str):
+            return seq.text
+        if self.tokenizer is None:
+            return ""
+        finished = seq.status.is_finished
+        text = self._texts.get(seq.seq_id)
+        if text is None and finished:
+            return self.decode(seq.output_token_ids, params)
+        text = text or self._text(seq, params)
+        text.sync(seq.token_ids, seq.num_prompt_tokens, check_stop=False)
+        return text.finish() if finished else text.text
+
+    def forget(self, group: SequenceGroup) -> None:
+        """Drop the text state of a finished group's sequences."""
+        for s in group.seqs:
+            self._texts.pop(s.seq_id, None)
 
     def request_output(self, group: SequenceGroup) -> RequestOutput:
         """The group's cumulative output: one completion per sample, or per beam (finished hypotheses, best first,
@@ -106,11 +137,10 @@ class OutputProcessor:
                     )
         else:
             for s in sorted(group.seqs, key=lambda s: s.index):
-                text = s.text if isinstance(s.stop_reason, str) else self.decode(s.output_token_ids, params)
                 outs.append(
                     CompletionOutput(
                         s.index,
-                        text,
+                        self.output_text(s, params),
                         s.output_token_ids,
                         s.cumulative_logprob,
                         s.logprobs if params.logprobs is not None else None,
@@ -118,6 +148,8 @@ class OutputProcessor:
                         s.stop_reason,
                     )
                 )
+        if group.is_finished:
+            self.forget(group)
         metrics = {"arrival_time": group.arrival_time}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time

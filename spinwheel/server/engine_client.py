@@ -3,8 +3,9 @@ asyncio face as :class:`~spinwheel.server.async_engine.AsyncEngine`.
 
 Two threads per engine process keep the event loop off the pipe: a writer sends the handlers' commands (every
 command queued since its last write goes in one message, so a burst of requests costs one write), and a reader
-turns each step's deltas back into cumulative outputs and hands them to the requests' mailboxes with one
-``call_soon_threadsafe`` per step, not per request.
+turns each step's deltas back into cumulative outputs (detokenizing the new tokens and checking stop strings here,
+:mod:`~spinwheel.server.output_deltas`; a stop string found sends the engine a stop or abort) and hands them to the
+requests' mailboxes with one ``call_soon_threadsafe`` per step, not per request. Text prompts are tokenized here.
 
 Liveness: the pipe closes when the engine process dies (a crash, the OOM killer, SIGKILL). The reader then fails
 every request in flight with :class:`EngineDeadError` (an OpenAI error object for its client, 503), ``alive`` is
@@ -29,7 +30,7 @@ import torch.multiprocessing as torch_mp  # registers the reducers that share a 
 from spinwheel.engine import EngineStats, RequestOutput, SamplingParams
 from spinwheel.server.async_engine import EngineDeadError, Stream, StreamingEngine
 from spinwheel.server.engine_process import EngineInfo, EngineSnapshot, EngineSpec, dumps, run_engine_process
-from spinwheel.server.output_deltas import DeltaDecoder
+from spinwheel.server.output_deltas import DeltaDecoder, RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class EngineProcess(StreamingEngine):
         child = _Child(self.spec, self.start_timeout_s)
         self.info = child.info
         self._snapshot = EngineSnapshot(child.info.stats, False, 0, 0)
-        self._decoder = DeltaDecoder()
+        self._decoder = DeltaDecoder(self.tokenizer)
         self._child = child
         if self._closing:  # shut down while this one was starting (a restart)
             child.close()
@@ -207,36 +208,48 @@ class EngineProcess(StreamingEngine):
 
     # ---- asyncio side ----
     def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None:
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
         with self._lock:
             error = self.error
             if error is None:
                 if not self._streams and not self._snapshot.has_unfinished:
                     self._last_progress = time.monotonic()  # work arrives at an idle engine: a stall counts from now
                 self._streams[request_id] = stream
-                self._child.post(("add", request_id, prompt, params))
+                self._decoder.add(request_id, text, ids, params)
+                self._child.post(("add", request_id, ids, params))
         if error is not None:  # died between the caller's check and now
             stream.offer(EngineDeadError(f"the engine has stopped: {error!r}"))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._streams.pop(request_id, None) is not None and self.error is None:
-                self._child.post(("abort", request_id))
+                self._child.post(("abort", request_id))  # its "abort" output still reaches the metrics
 
     # ---- the reader thread ----
     def _read(self, child: _Child) -> None:
+        failure = None
         while True:
             try:
                 message = pickle.loads(child.conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            if message[0] == "step":
-                self._on_step(*message[1:])
-            elif message[0] == "failed":
-                self._on_failed(*message[1:])
-        self._on_exit(child)
+            try:
+                if message[0] == "step":
+                    self._on_step(*message[1:])
+                elif message[0] == "failed":
+                    self._on_failed(*message[1:])
+            except Exception as e:  # a bug here must not leave every request waiting: restart the engine instead
+                logger.exception("the engine's %r message could not be handled", message[0])
+                failure = f"the engine client failed on the engine's output ({e!r}): the engine process was stopped"
+                child.close()
+                break
+        self._on_exit(child, failure)
 
-    def _on_step(self, deltas: list, step_s: float, snapshot: EngineSnapshot) -> None:
-        outputs = [self._decoder.decode(d) for d in deltas]
+    def _on_step(self, deltas: list[RequestDelta], step_s: float, snapshot: EngineSnapshot) -> None:
+        decoder = self._decoder
+        outputs = [out for d in deltas if (out := decoder.decode(d)) is not None]
+        for command in decoder.take_commands():  # stop strings found: stop those samples, free their blocks
+            self._child.post(command)
         self._snapshot = snapshot
         if outputs:
             self._last_progress = time.monotonic()
@@ -260,11 +273,11 @@ class EngineProcess(StreamingEngine):
             self._decoder.forget(rid)
         _deliver(items)
 
-    def _on_exit(self, child: _Child) -> None:
+    def _on_exit(self, child: _Child, failure: str | None = None) -> None:
         child.proc.join(5)
         if self._closing:
             return
-        reason = f"the engine process (pid {child.proc.pid}) {describe_exit(child.proc.exitcode)}"
+        reason = failure or f"the engine process (pid {child.proc.pid}) {describe_exit(child.proc.exitcode)}"
         logger.error("%s; failing the requests in flight", reason)
         error = EngineDeadError(reason)
         with self._lock:

@@ -6,11 +6,16 @@ the event loop's HTTP, JSON and streaming work; each slows the other. Here the e
 (:mod:`multiprocessing.connection`: length-prefixed pickles):
 
 - server -> engine: lists of commands, ``("add", request_id, prompt_token_ids, SamplingParams)``,
-  ``("abort", request_id)``, ``("shutdown",)``; a reader thread here queues them, the core applies them between
-  steps, so requests that arrive during a step join the next one together.
+  ``("abort", request_id)``, ``("stop", request_id, index, stop_string)`` (one sample hit a stop string),
+  ``("shutdown",)``; a reader thread here queues them, the core applies them between steps, so requests that
+  arrive during a step join the next one together.
 - engine -> server: ``("ready", EngineInfo)`` once loaded, then one ``("step", deltas, step_s, EngineSnapshot)``
-  per step with every request's output delta of that step (:mod:`~spinwheel.server.output_deltas`), and
-  ``("failed", request_ids, exception)`` for requests that could not be added or whose step raised.
+  per step with what each request got in that step (new token ids, logprobs, finish reasons: no text, see
+  :mod:`~spinwheel.server.output_deltas`), and ``("failed", request_ids, exception)`` for requests that could not
+  be added or whose step raised.
+
+The engine here decodes no text and checks no stop strings: its output processor has no tokenizer. The API
+process detokenizes each step's new tokens, checks the stop strings and tells the engine to stop or abort.
 
 The core exits when told to or when the pipe closes (the server went away), and ignores SIGINT: Ctrl-C in a
 terminal reaches the whole process group, and the server, not the engine, decides how to stop.
@@ -57,9 +62,14 @@ class EngineSpec:
         return load_tokenizer(self.model)
 
     def build(self) -> LLMEngine:
+        """The engine, whose output processor decodes nothing: the API process does (text prompts are still
+        tokenized by ``add_request``, and EOS comes from the tokenizer)."""
         if isinstance(self.model, Transformer):
-            return LLMEngine(self.model, self.load_tokenizer(), self.config)
-        return LLMEngine.from_pretrained(self.model, self.config, self.load_tokenizer())
+            engine = LLMEngine(self.model, self.load_tokenizer(), self.config)
+        else:
+            engine = LLMEngine.from_pretrained(self.model, self.config, self.load_tokenizer())
+        engine.output_processor.tokenizer = None
+        return engine
 
 
 @dataclass
@@ -110,7 +120,7 @@ class EngineCore:
 
     def __init__(self, engine: LLMEngine, conn: Connection, idle_wait_s: float = 1.0) -> None:
         self.engine, self.conn, self.idle_wait_s = engine, conn, idle_wait_s
-        self.encoder = DeltaEncoder()
+        self.encoder = DeltaEncoder(engine.output_processor)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -167,6 +177,8 @@ class EngineCore:
                 self._live.add(request_id)
             elif command[0] == "abort":
                 self.engine.abort(command[1])  # its final output (finish_reason "abort") comes with the next step
+            elif command[0] == "stop":
+                self.engine.stop_sample(*command[1:])
             else:
                 self._stop = True
         for request_id, e in failed:
@@ -184,16 +196,16 @@ class EngineCore:
                 continue
             t0 = time.monotonic()
             try:
-                outputs = engine.step(stream=True)
+                groups = engine.step_groups(stream=True)
             except Exception as e:  # an engine bug on some input: fail the requests in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(EngineStepError(f"the engine failed on this batch: {e!r}"))
                 continue
             step_s = time.monotonic() - t0
-            deltas = [self.encoder.encode(out) for out in outputs]
-            for out in outputs:
-                if out.finished:
-                    self._live.discard(out.request_id)
+            deltas = [self.encoder.encode(group) for group in groups]
+            for delta in deltas:
+                if delta.finished:
+                    self._live.discard(delta.request_id)
             self._send(("step", deltas, step_s, snapshot(engine)))
 
     def _fail_all(self, error: Exception) -> None:
