@@ -95,7 +95,7 @@ def _run(config: RLConfig, distributed: bool) -> dict[str, Any]:
     load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
     policy = load_model(ckpt_dir if state is not None else config.model, **load)
     reference = load_model(config.model, **load) if config.beta > 0 else None
-    optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip)
+    optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip, fused=True)
     learner: Learner
     ref: Learner | None = None
     if distributed:
