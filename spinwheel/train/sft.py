@@ -62,7 +62,7 @@ def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool =
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     with distributed_world(config.device, config.parallel) as distributed:
-        dims = config.parallel.make_dims()  # a readable error for e.g. --tp 2 without torchrun
+        dims = config.parallel.make_dims()
         config.parallel.check_batch(config.batch_size, dims.dp)
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip)
 

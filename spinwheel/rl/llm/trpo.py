@@ -75,8 +75,7 @@ def trpo_update(
     model, reduce = trpo_module(learner)
     # the Fisher rows are picked on the global batch (and their weights scaled to its sum), so every layout
     # computes the same products: each rank keeps the picked rows of its own slice
-    sub = fisher_rows(batch["weights"], fisher_fraction)
-    fisher_scale = 1.0 if sub is None else float(batch["weights"].sum() / batch["weights"][sub].sum())
+    sub, fisher_scale = fisher_rows(batch["weights"], fisher_fraction)
     if reduce is not None:
         dp = learner.dims.dp_axis  # type: ignore[attr-defined]
         b = batch["input_ids"].shape[0]
@@ -122,18 +121,18 @@ def trpo_update(
         )
 
 
-def fisher_rows(weights: torch.Tensor, fraction: float) -> torch.Tensor | None:
-    """Indices of every ``round(1 / fraction)``-th row of ``weights`` (b, T) that has weight (None: all rows).
-
-    Strided over the batch so the subset covers every prompt group's position range evenly; the caller rescales the
-    subset's weights to the whole batch's sum, so the subsampled Fisher estimates the same matrix."""
+def fisher_rows(weights: torch.Tensor, fraction: float) -> tuple[torch.Tensor | None, float]:
+    """Indices of every ``round(1 / fraction)``-th row of ``weights`` (b, T) that has weight (None: all rows), and
+    the factor that scales the subset's weights to the whole batch's sum, so the subsampled Fisher estimates the
+    same matrix. Strided over the batch so the subset covers every prompt group evenly."""
     if fraction >= 1.0:
-        return None
+        return None, 1.0
     live = torch.nonzero(weights.sum(-1) > 0)[:, 0]
     stride = max(1, round(1.0 / fraction))
     if stride == 1 or live.numel() <= stride:
-        return None
-    return live[::stride]
+        return None, 1.0
+    rows = live[::stride]
+    return rows, float(weights.sum() / weights[rows].sum())
 
 
 def logit_fisher_product(
