@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -177,6 +178,7 @@ def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> 
     cmd = [sys.executable, "-m", "spinwheel.cli", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--served-model-name", "bench", "--log-level", "warning"]
     cmd += ["--engine-process" if mode == "process" else "--no-engine-process"]
+    cmd += shlex.split(args.process_args if mode == "process" else args.thread_args)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -247,6 +249,13 @@ def main() -> None:
         help="load generator: a lean asyncio HTTP client (raw) or httpx (heavier per event; the figures before "
         "the engine process were measured with it)",
     )
+    ap.add_argument("--process-args", default="", help="more `spinwheel serve` options for the process mode")
+    ap.add_argument(
+        "--thread-args",
+        default="",
+        help="more `spinwheel serve` options for the thread mode (e.g. the settings of an earlier version, "
+        "to compare with it: --engine-max-num-batched-tokens-with-decodes 2048)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="runs of each mode (alternating); medians reported")
     args = ap.parse_args()
     work = _workload(args)
@@ -287,6 +296,16 @@ def main() -> None:
         )
         cores = ", ".join(f"{k[4:-6]} {v:.2f}" for k, v in stats.items() if k.startswith("cpu_"))
         print(f"  CPU cores busy during the run: {cores} (of {os.cpu_count()})")
+        if args.repeats > 1:  # a p99 of one run is a few requests: the median of each latency over the runs
+            keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+            each = {k: [r[0][k] for r in runs[mode]] for k in keys}
+            print(
+                "  latency, median over the runs (each run): "
+                + "; ".join(
+                    f"{k[:-3].replace('_', ' ')} {statistics.median(v):.1f} ms ({', '.join(f'{x:.0f}' for x in v)})"
+                    for k, v in each.items()
+                )
+            )
     if OFFLINE_CPU:
         print(f"offline: {statistics.median(OFFLINE_CPU):.0f} output tokens per CPU second (median)")
     print(

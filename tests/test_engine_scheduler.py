@@ -268,6 +268,7 @@ _request = st.tuples(
     num_cpu_blocks=6,
     prefix=False,
     budget=8,
+    with_decodes=False,
 )
 @example(
     reqs=[(1, 1, "greedy", 1, 0), (1, 1, "greedy", 1, 0), (1, 10, "greedy", 1, 0), (38, 10, "sample", 3, 0)],
@@ -277,6 +278,7 @@ _request = st.tuples(
     num_cpu_blocks=0,
     prefix=False,
     budget=None,
+    with_decodes=False,
 )
 @given(
     reqs=st.lists(_request, min_size=1, max_size=6),
@@ -286,12 +288,14 @@ _request = st.tuples(
     num_cpu_blocks=st.integers(0, 24),
     prefix=st.booleans(),
     budget=st.sampled_from([8, 24, None]),
+    with_decodes=st.booleans(),
 )
 def test_every_request_is_rejected_at_once_or_finishes(
-    model, reqs, mode, block_size, slack, num_cpu_blocks, prefix, budget
+    model, reqs, mode, block_size, slack, num_cpu_blocks, prefix, budget, with_decodes
 ):
     chunked = budget is not None  # without chunked prefill the budget must hold the longest prompt
     budget = budget or 64
+    with_decodes_budget = 6 if with_decodes else None  # as small as max_num_seqs allows
     workload = []
     for i, (plen, max_tokens, kind, n, arrives_at) in enumerate(reqs):
         params = {
@@ -315,13 +319,14 @@ def test_every_request_is_rejected_at_once_or_finishes(
             enable_prefix_caching=prefix,
             enable_chunked_prefill=chunked,
             max_num_batched_tokens=budget,
+            max_num_batched_tokens_with_decodes=with_decodes_budget,
             max_num_seqs=6,
             max_model_len=64,
         ),
     )
     # the most steps a legitimate run can go without a token: prefilling (or recomputing) a pool's worth of
     # tokens under the step budget, plus a step of swapping
-    bound = -(-num_blocks * block_size // budget) + 3
+    bound = -(-num_blocks * block_size // min(budget, with_decodes_budget or budget)) + 3
     finished, since_progress, step = {}, 0, 0
     added_at = {}
     while step < 3000:
@@ -357,6 +362,46 @@ def test_every_request_is_rejected_at_once_or_finishes(
             assert out.outputs[0].finish_reason == "error" and at_step == added_at[rid] + 1
     assert engine.block_manager.num_used_blocks == 0
     assert engine.block_manager.cpu.num_free == num_cpu_blocks
+
+
+def test_prompts_admitted_while_others_decode_are_chunked_to_the_smaller_budget(model):
+    # Sarathi-Serve's stall-free batching: while A decodes, B's 50-token prompt comes in chunks that keep every
+    # step within 12 tokens; once nothing decodes, a step may take the whole budget of 64 again
+    def run(with_decodes):
+        engine = LLMEngine(
+            model,
+            None,
+            EngineConfig(
+                block_size=4,
+                num_kv_blocks=64,
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                max_num_batched_tokens_with_decodes=with_decodes,
+            ),
+        )
+        sizes, schedule = [], engine.scheduler.schedule
+
+        def recording():
+            out = schedule()
+            sizes.append(sum(s.num_new_tokens for s in out.scheduled))
+            return out
+
+        engine.scheduler.schedule = recording
+        engine.add_request("A", _prompt(0, 5), _greedy(8))
+        engine.step()  # A's prompt: A decodes from now on
+        engine.add_request("B", _prompt(1, 50), _greedy(3))
+        engine.add_request("C", _prompt(2, 60), _greedy(3))
+        return {rid: out.outputs[0].token_ids for rid, out in _drain(engine).items()}, sizes
+
+    capped, sizes = run(12)
+    assert sizes[1:4] == [12, 12, 12]  # A's decode + 11 prompt tokens of B each
+    assert max(sizes[1:8]) <= 12  # A decodes for 8 steps
+    assert max(sizes[8:]) > 12  # then C's rest comes in whole
+    uncapped, uncapped_sizes = run(None)
+    assert uncapped_sizes[1] == 1 + 50 + 13  # A, all of B and the start of C in one step
+    assert capped == uncapped  # the same tokens (greedy), only scheduled differently
+    with pytest.raises(ValueError, match="between max_num_seqs"):
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_num_batched_tokens_with_decodes=4)
 
 
 def test_health_signals_idle_busy_and_progress(model):

@@ -25,6 +25,13 @@ class EngineConfig:
     num_cpu_blocks: int | None = option(None, help="exact number of CPU swap blocks (overrides swap_space_mb)")
     max_num_seqs: int = option(256, help="most sequences in one step (the batch-size cap)")
     max_num_batched_tokens: int = option(2048, help="token budget of one step (prefill chunks + decodes)")
+    max_num_batched_tokens_with_decodes: int | None = option(
+        None,
+        help="token budget of a step that also decodes, with chunked prefill (Sarathi-Serve's stall-free "
+        "batching): prompts admitted while others decode are prefilled in chunks of at most this many tokens, "
+        "which bounds the inter-token latency of the running requests; default: max_num_batched_tokens ("
+        "`spinwheel serve`: 1024 or max_num_seqs, whichever is larger)",
+    )
     max_model_len: int | None = option(
         None, help="longest prompt + output; default: the model's max_position_embeddings"
     )
@@ -73,6 +80,12 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        with_decodes = self.max_num_batched_tokens_with_decodes
+        if with_decodes is not None and not self.max_num_seqs <= with_decodes <= self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens_with_decodes must be between max_num_seqs ({self.max_num_seqs}) and "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}), got {with_decodes}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -14,8 +14,10 @@ packs, under a token budget and a sequence cap:
    or beam group computes the leading blocks its sequences share (the prompt at least) once and shares them again,
    so it needs no more blocks than when it was first admitted.
 
-A request is rejected at once when even the whole pool could not hold it (``_never_fits``); every other request
-fits whenever the pool is otherwise empty, so it finishes.
+While a sequence decodes, the budget is ``max_num_batched_tokens_with_decodes`` (Agrawal et al., "Sarathi-Serve",
+OSDI 2024: prompts admitted meanwhile are chunked so that no step stalls the running requests for long). A request
+is rejected at once when even the whole pool could not hold it (``_never_fits``); every other request fits whenever
+the pool is otherwise empty, so it finishes.
 
 Every chunk is taken the same way (:meth:`Scheduler._plan` then :meth:`Scheduler._take`). The scheduler also creates
 and drops the sequences sampling asks for — the ``n - 1`` forks of parallel sampling, the forks and ends of beam
@@ -28,14 +30,14 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from spinwheel.engine.beam_search import BeamChoice
 from spinwheel.engine.block_manager import AllocStatus, BlockManager
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.forks import SamplingForks
 from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-class Scheduler:
+class Scheduler(SamplingForks):
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -114,47 +116,6 @@ class Scheduler:
             self.running = [g for g in self.running if not g.is_finished]
         return done
 
-    # ---- sequences created and dropped by sampling ----
-    def fork_samples(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
-        """The prompt sequence's first token is due: fork the other ``n - 1`` samples (once per request), sharing
-        its blocks. Returns the sequences that sample from this row."""
-        if group.forked:
-            return [seq]
-        group.forked = True
-        samples = [seq]
-        for i in range(1, group.params.n):
-            child = seq.fork(self.next_seq_id(), i)
-            self.block_manager.fork(seq.seq_id, child.seq_id)
-            samples.append(child)
-        group.seqs += samples[1:]
-        return samples
-
-    def continue_beams(self, group: SequenceGroup, beams: list[Sequence], choices: list[BeamChoice]) -> None:
-        """Apply one beam-search step: a beam chosen ``m`` times keeps one continuation and lends its blocks to
-        ``m - 1`` forks (forked before the token is appended); a beam not chosen ends and frees its blocks. No
-        choices: the search is done."""
-        group.forked = True
-        by_parent: dict[int, list[BeamChoice]] = {}
-        for c in choices:
-            by_parent.setdefault(c.parent, []).append(c)
-        survivors: list[Sequence] = []
-        for i, beam in enumerate(beams):
-            picks = by_parent.get(i, [])
-            if not picks:
-                beam.status = SequenceStatus.FINISHED_ABORTED
-                self.block_manager.free(beam.seq_id)
-                continue
-            forks = []
-            for _ in picks[1:]:
-                child = beam.fork(self.next_seq_id(), 0)
-                self.block_manager.fork(beam.seq_id, child.seq_id)
-                forks.append(child)
-            for seq, c in zip([beam] + forks, picks):
-                seq.token_ids.append(c.token_id)
-                seq.cumulative_logprob = c.cumulative_logprob
-                survivors.append(seq)
-        group.seqs = survivors  # dropped beams are already freed
-
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
@@ -163,7 +124,7 @@ class Scheduler:
         bm = self.block_manager
         out = SchedulerOutput(failed=self._rejected, block_tables=bm.block_tables)
         self._rejected = []
-        budget = self.config.max_num_batched_tokens
+        budget = self._budget()
         num_seqs = 0
 
         # 1. running groups, oldest first; preempt from the newest end when blocks run out
@@ -239,6 +200,15 @@ class Scheduler:
             num_seqs += len(seqs)
             _insert_by_arrival(self.running, group)
         return out
+
+    def _budget(self) -> int:
+        """Tokens this step may take: ``max_num_batched_tokens_with_decodes`` while a running sequence decodes (with
+        chunked prefill: new prompts then come in chunks that never stall it for long), else all of the budget."""
+        c, cap = self.config, self.config.max_num_batched_tokens_with_decodes
+        running = (s for g in self.running for s in g.seqs_with(SequenceStatus.RUNNING))
+        if cap is not None and c.enable_chunked_prefill and any(not s.is_prefill for s in running):
+            return cap
+        return c.max_num_batched_tokens
 
     def _shared_prefix(self, seqs: list[Sequence]) -> int:
         """Leading tokens (whole blocks, short of every sequence's last token) that all of ``seqs`` have in common:

@@ -76,6 +76,19 @@ def model_name(config: ServeConfig) -> str:
     return (path.parent.name if path.name == "checkpoint" else path.name) or str(config.model)
 
 
+SERVING_TOKENS_WITH_DECODES = 1024
+
+
+def serving_defaults(config: EngineConfig) -> EngineConfig:
+    """The engine options a server defaults differently from offline generation: a step that decodes takes at
+    most 1024 tokens (or ``max_num_seqs``), so that a burst of new prompts does not stall the streams already
+    running (offline, where only throughput counts, every step may take ``max_num_batched_tokens``)."""
+    if config.max_num_batched_tokens_with_decodes is not None:
+        return config
+    cap = min(config.max_num_batched_tokens, max(SERVING_TOKENS_WITH_DECODES, config.max_num_seqs))
+    return dataclasses.replace(config, max_num_batched_tokens_with_decodes=cap)
+
+
 def build_server(
     config: ServeConfig,
     engine_config: EngineConfig | None = None,
@@ -85,7 +98,7 @@ def build_server(
     died for good (see :class:`EngineProcess`)."""
     api_key = config.api_key or os.environ.get("SPINWHEEL_API_KEY")
     check_api_key(api_key)  # before the checkpoint loads: a key no client can send is a startup error
-    engine_config = engine_config or EngineConfig()
+    engine_config = serving_defaults(engine_config or EngineConfig())
     engine: LLMEngine | EngineProcess
     if config.engine_process:
         engine = EngineProcess(EngineSpec(config.model, engine_config), config.engine_restarts, on_engine_exit)
