@@ -32,7 +32,8 @@ class DemoConfig:
     sft_steps: int = option(300, help="SFT optimizer steps (short on purpose: GRPO needs headroom)")
     grpo_steps: int = option(900, help="GRPO rollout steps")
     grpo_prompts: int = option(64, help="GRPO prompts per step (8 completions each)")
-    grpo_lr: float = option(1e-4, help="GRPO learning rate (constant)")
+    grpo_lr: float = option(1e-4, help="GRPO learning rate (peak; cosine decay from it)")
+    grpo_min_lr_ratio: float = option(0.1, help="GRPO's final learning rate as a fraction of --grpo-lr")
     eval_examples: int = option(500, help="held-out problems per evaluation")
     seed: int = option(0, help="seed of the model init, the data order and the samples")
     num_threads: int = option(0, help="torch CPU threads (0: PyTorch's default)")
@@ -44,6 +45,8 @@ class DemoConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.grpo_lr <= 0:
             raise ValueError(f"--grpo-lr must be > 0, got {self.grpo_lr}")
+        if not 0 <= self.grpo_min_lr_ratio <= 1:
+            raise ValueError(f"--grpo-min-lr-ratio must be in [0, 1], got {self.grpo_min_lr_ratio}")
 
 
 def prepare_out_dir(out: Path) -> None:
@@ -98,6 +101,7 @@ def run_demo(config: DemoConfig) -> dict:
             prompts_per_step=config.grpo_prompts,
             group_size=8,
             lr=config.grpo_lr,
+            min_lr_ratio=config.grpo_min_lr_ratio,
             eval_every=0,
             save_every=100,
             **common,

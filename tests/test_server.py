@@ -406,7 +406,7 @@ def test_spinwheel_serve_command(tmp_path):
 def test_serve_bounds_the_tokens_of_a_step_that_decodes():
     from spinwheel.server.serve import serving_defaults
 
-    assert serving_defaults(EngineConfig()).max_num_batched_tokens_with_decodes == 1024
+    assert serving_defaults(EngineConfig()).max_num_batched_tokens_with_decodes == 768
     assert serving_defaults(EngineConfig(max_num_batched_tokens=512)).max_num_batched_tokens_with_decodes == 512
     wide = EngineConfig(max_num_seqs=1536, max_num_batched_tokens=4096)
     assert serving_defaults(wide).max_num_batched_tokens_with_decodes == 1536  # every sequence still decodes

@@ -30,7 +30,7 @@ class EngineConfig:
         help="token budget of a step that also decodes, with chunked prefill (Sarathi-Serve's stall-free "
         "batching): prompts admitted while others decode are prefilled in chunks of at most this many tokens, "
         "which bounds the inter-token latency of the running requests; default: max_num_batched_tokens ("
-        "`spinwheel serve`: 1024 or max_num_seqs, whichever is larger)",
+        "`spinwheel serve`: fitted to --decode-step-ms by its warm-up)",
     )
     max_model_len: int | None = option(
         None, help="longest prompt + output; default: the model's max_position_embeddings"

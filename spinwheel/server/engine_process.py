@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
+from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.server.async_engine import EngineStepError
@@ -51,6 +52,8 @@ class EngineSpec:
     config: EngineConfig
     tokenizer: Tokenizer | None = None  # default: the checkpoint's (load_tokenizer)
     num_threads: int | None = None  # torch threads of the engine process (None: torch's default)
+    warmup: bool = False  # run spinwheel.engine.warmup's full-budget step before saying ready
+    decode_step_ms: float | None = None  # with warmup: fit the budget of a step that decodes (prepare_for_serving)
 
     def load_tokenizer(self) -> Tokenizer:
         from spinwheel.models import load_tokenizer
@@ -233,6 +236,8 @@ def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
 
             torch.set_num_threads(spec.num_threads)
         engine = spec.build()
+        if spec.warmup:
+            print(f"spinwheel serve: {prepare_for_serving(engine, spec.decode_step_ms)}", flush=True)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which says why it cannot start
         conn.send_bytes(dumps(("start_failed", f"{type(e).__name__}: {e}")))
         return

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from spinwheel.config import option
 from spinwheel.engine import EngineConfig, LLMEngine
+from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.server.app import OpenAIServer
 from spinwheel.server.engine_client import EngineProcess
 from spinwheel.server.engine_process import EngineSpec
@@ -50,6 +51,19 @@ class ServeConfig(ServerLimits):
         help="run the engine in a process of its own, so that model steps and HTTP work do not share a GIL "
         "(--no-engine-process: on a thread of the server's process)",
     )
+    warmup: bool = option(
+        True,
+        help="before serving, run one engine step of dummy prompts filling --engine-max-num-batched-tokens, so "
+        "that the first burst of requests does not pay first-time costs (allocations, oneDNN kernels); "
+        "vLLM runs such a step at start-up too",
+    )
+    decode_step_ms: float = option(
+        200.0,
+        help="with --warmup and no --engine-max-num-batched-tokens-with-decodes: a step that also decodes takes "
+        "the prompt tokens the timed warm-up step says fit in this many ms, so that a burst of new prompts holds "
+        "up the running streams about this long at most (Sarathi-Serve sizes its budget against an inter-token "
+        "latency target the same way); 0: the whole budget. Without --warmup the bound is 768 tokens",
+    )
     engine_restarts: int = option(
         3,
         help="times an engine process that died is started again (its requests in flight get 503 error "
@@ -62,6 +76,8 @@ class ServeConfig(ServerLimits):
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_body_mb <= 0:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+        if self.decode_step_ms < 0:
+            raise ValueError(f"--decode-step-ms must be >= 0, got {self.decode_step_ms}")
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
 
@@ -76,13 +92,15 @@ def model_name(config: ServeConfig) -> str:
     return (path.parent.name if path.name == "checkpoint" else path.name) or str(config.model)
 
 
-SERVING_TOKENS_WITH_DECODES = 1024
+SERVING_TOKENS_WITH_DECODES = 768
 
 
 def serving_defaults(config: EngineConfig) -> EngineConfig:
-    """The engine options a server defaults differently from offline generation: a step that decodes takes at
-    most 1024 tokens (or ``max_num_seqs``), so that a burst of new prompts does not stall the streams already
-    running (offline, where only throughput counts, every step may take ``max_num_batched_tokens``)."""
+    """The engine options a server without a warm-up defaults differently from offline generation: a step that
+    decodes takes at most 768 tokens (or ``max_num_seqs``), so that a burst of new prompts does not stall the
+    streams already running (offline, where only throughput counts, every step may take
+    ``max_num_batched_tokens``). With the warm-up, :func:`~spinwheel.engine.warmup.prepare_for_serving` fits the
+    bound to ``--decode-step-ms`` instead."""
     if config.max_num_batched_tokens_with_decodes is not None:
         return config
     cap = min(config.max_num_batched_tokens, max(SERVING_TOKENS_WITH_DECODES, config.max_num_seqs))
@@ -98,12 +116,19 @@ def build_server(
     died for good (see :class:`EngineProcess`)."""
     api_key = config.api_key or os.environ.get("SPINWHEEL_API_KEY")
     check_api_key(api_key)  # before the checkpoint loads: a key no client can send is a startup error
-    engine_config = serving_defaults(engine_config or EngineConfig())
+    engine_config = engine_config or EngineConfig()
+    # the budget of a step that decodes: given, fitted to --decode-step-ms by the warm-up, or serving_defaults'
+    fit_ms = config.decode_step_ms if engine_config.max_num_batched_tokens_with_decodes is None else None
+    if not config.warmup:
+        engine_config = serving_defaults(engine_config)
     engine: LLMEngine | EngineProcess
     if config.engine_process:
-        engine = EngineProcess(EngineSpec(config.model, engine_config), config.engine_restarts, on_engine_exit)
+        spec = EngineSpec(config.model, engine_config, warmup=config.warmup, decode_step_ms=fit_ms)
+        engine = EngineProcess(spec, config.engine_restarts, on_engine_exit)
     else:
         engine = LLMEngine.from_pretrained(config.model, engine_config)
+        if config.warmup:
+            print(f"spinwheel serve: {prepare_for_serving(engine, fit_ms)}", flush=True)
     return OpenAIServer(engine, model_name(config), api_key, int(config.max_body_mb * (1 << 20)), config.limits())
 
 
