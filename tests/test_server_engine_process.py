@@ -267,8 +267,10 @@ def test_spinwheel_serve_exits_with_the_reason_when_its_engine_process_dies():
     command += ["--engine-restarts", "0", "--engine-num-kv-blocks", "16", "--log-level", "warning"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert "engine process pid" in line, line
+        lines = [proc.stdout.readline() if proc.stdout else "" for _ in range(2)]
+        assert lines[0].startswith("spinwheel serve: warm-up step of "), lines  # the engine process's, first
+        line = lines[1]
+        assert "engine process pid" in line, lines
         pid = int(line.split("engine process pid ")[1].split(";")[0])
         _eventually(lambda: _healthy(port), 60)
         os.kill(pid, signal.SIGKILL)
