@@ -12,7 +12,7 @@ from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 class SamplingForks:
     block_manager: BlockManager
 
-    def next_seq_id(self) -> int:
+    def next_seq_id(self) -> int:  # the scheduler's
         raise NotImplementedError
 
     def fork_samples(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:

@@ -40,16 +40,12 @@ def warm_up(engine: LLMEngine) -> float:
     """Run the warm-up step on an idle engine; returns the seconds it took."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up needs an idle engine")
-    bm, sch = engine.block_manager, engine.scheduler
-    saved = (
-        engine.num_prompt_tokens,
-        engine.num_generated_tokens,
-        bm.num_prefix_queried_tokens,
-        bm.num_prefix_hit_tokens,
-        sch.num_preemptions,
-        sch.num_swap_outs,
-        sch.num_chunked_prefills,
-    )
+    counters = [
+        (engine, ("num_prompt_tokens", "num_generated_tokens")),
+        (engine.block_manager, ("num_prefix_queried_tokens", "num_prefix_hit_tokens")),
+        (engine.scheduler, ("num_preemptions", "num_swap_outs", "num_chunked_prefills")),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, names in counters for name in names]
     t0 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for i, prompt in enumerate(warmup_prompts(engine)):
@@ -57,16 +53,9 @@ def warm_up(engine: LLMEngine) -> float:
     while engine.has_unfinished_requests():
         engine.step()
     seconds = time.perf_counter() - t0
-    (
-        engine.num_prompt_tokens,
-        engine.num_generated_tokens,
-        bm.num_prefix_queried_tokens,
-        bm.num_prefix_hit_tokens,
-        sch.num_preemptions,
-        sch.num_swap_outs,
-        sch.num_chunked_prefills,
-    ) = saved
-    bm.reset_prefix_cache()
+    for obj, name, value in saved:
+        setattr(obj, name, value)
+    engine.block_manager.reset_prefix_cache()
     engine._recent.clear()  # the token rate of the warm-up is not the server's
     engine.sampler._generators.clear()  # unseeded requests draw from the seed's start, as without a warm-up
     engine.last_progress_time = time.monotonic()
