@@ -220,3 +220,67 @@ def test_serve_freezes_what_startup_made_before_serving():
     )
     frozen = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("frozen ")]
     assert frozen and frozen[0] > 10_000, out.stdout + out.stderr
+
+
+def _recv_all(sock: socket.socket) -> bytes:
+    reply = b""
+    while chunk := sock.recv(4096):  # until the server closes
+        reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_header_timeout_answers_a_partial_head_and_closes_an_idle_keep_alive_one(http):
+    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    limits = ServerLimits(header_timeout_s=0.5)
+    with BackgroundServer(OpenAIServer(engine, MODEL, limits=limits), http=http) as bs:
+        partial = socket.create_connection((bs.host, bs.port))
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: never complete
+        idle = socket.create_connection((bs.host, bs.port))
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # one whole request, then nothing
+        pipelined = socket.create_connection((bs.host, bs.port))
+        pipelined.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 2 + b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        for s in (partial, idle, pipelined):
+            s.settimeout(10)
+        t0 = time.monotonic()
+        assert _recv_all(partial).startswith(b"HTTP/1.1 408")
+        assert 0.4 < time.monotonic() - t0 < 5
+        idle_reply = _recv_all(idle)  # its 200, then closed with nothing more
+        assert idle_reply.startswith(b"HTTP/1.1 200") and idle_reply.count(b"HTTP/1.1") == 1
+        replies = _recv_all(pipelined).split(b"HTTP/1.1 ")[1:]  # both whole requests answered, then the 408
+        assert [r[:3] for r in replies] == [b"200", b"200", b"408"], replies
+        assert bs.server.guard.stats.num_header_timeouts >= 3
+        assert httpx.get(bs.url + "/health", timeout=5).status_code == 200
+        for s in (partial, idle, pipelined):
+            s.close()
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_request_head_that_outgrows_the_cap_gets_431(http):
+    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    with BackgroundServer(OpenAIServer(engine, MODEL, limits=ServerLimits(max_header_kb=4)), http=http) as bs:
+        s = socket.create_connection((bs.host, bs.port))
+        s.settimeout(10)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(16):  # 1 KiB at a time, never finishing the head
+                s.sendall(b"X-Pad: " + b"a" * 1017 + b"\r\n")
+                time.sleep(0.01)
+        except OSError:  # closed by the server while sending: the reply is still readable
+            pass
+        reply = _recv_all(s)
+        assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+        s.close()
+        ok = httpx.get(bs.url + "/health", headers={"X-Pad": "a" * 3000}, timeout=5)  # under the cap
+        assert ok.status_code == 200
+        metrics = httpx.get(bs.url + "/metrics").text
+        assert 'spinwheel_connections_closed_total{reason="header_too_large"} 1.0' in metrics
+
+
+def test_the_http_and_loop_options_are_checked_before_the_engine_loads():
+    from spinwheel.server.serve import ServeConfig
+    from spinwheel.server.transport import resolve_http
+
+    assert resolve_http("auto") == "httptools" and resolve_http("h11") == "h11"
+    with pytest.raises(ValueError, match="--http must be one of auto, httptools, h11"):
+        ServeConfig(model="test", http="h2")  # type: ignore[arg-type]

@@ -81,7 +81,11 @@ class OpenAIServer:
             self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
             vocab_size = engine.model.config.vocab_size
         self.guard = ConnectionGuard(
-            limits.max_connections, limits.header_timeout_s, limits.stall_timeout_s, limits.send_buffer_kb << 10
+            limits.max_connections,
+            limits.header_timeout_s,
+            limits.stall_timeout_s,
+            limits.send_buffer_kb << 10,
+            limits.max_header_kb << 10,
         )
         self.metrics.watch(
             lambda: self.async_engine.num_unread_outputs, lambda: (len(self.guard.open), self.guard.stats)
@@ -97,11 +101,20 @@ class OpenAIServer:
     def shutdown(self) -> None:
         self.async_engine.shutdown()
 
-    def uvicorn_config(self, host: str, port: int, log_level: str) -> Any:
-        """uvicorn's settings for this app: the h11 protocol under this server's connection guard."""
+    def uvicorn_config(self, host: str, port: int, log_level: str, http: str = "auto", loop: str = "auto") -> Any:
+        """uvicorn's settings for this app: the ``http`` protocol (httptools or h11) under this server's connection
+        guard, on the ``loop`` event loop (uvloop or asyncio; "auto" takes uvloop when it is installed)."""
         import uvicorn
 
-        return uvicorn.Config(self.app, host=host, port=port, log_level=log_level, http=self.guard.protocol_factory())
+        return uvicorn.Config(
+            self.app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            http=self.guard.protocol_factory(http),
+            loop=loop,
+            h11_max_incomplete_event_size=2 * self.guard.max_header_bytes,  # the guard's 431 comes first
+        )
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="spinwheel", docs_url=None, redoc_url=None, openapi_url=None)

@@ -26,6 +26,11 @@ class ServerLimits:
         help="seconds a connection may take to send a request's headers, from connecting or from the "
         "previous response (slower connections are closed: slowloris)",
     )
+    max_header_kb: int = option(
+        64,
+        help="a request head (request line and headers) still incomplete after this many KiB is answered 431 and "
+        "its connection closed",
+    )
     body_timeout_s: float = option(30.0, help="seconds a client may take to send a request body (slower: 408)")
     stall_timeout_s: float = option(
         30.0,
@@ -48,7 +53,7 @@ class ServerLimits:
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_sequences_per_request"):
+        for name in ("max_connections", "max_header_kb", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.send_buffer_kb < 0:

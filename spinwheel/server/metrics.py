@@ -72,6 +72,7 @@ class _ServerCollector:
             ("evicted", stats.num_evicted),
             ("header_timeout", stats.num_header_timeouts),
             ("write_stall", stats.num_write_stalls),
+            ("header_too_large", stats.num_headers_too_large),
         ):
             closed.add_metric([reason], value)
         yield closed

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import logging
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from spinwheel.config import option
 from spinwheel.engine import EngineConfig, LLMEngine
@@ -24,6 +26,7 @@ from spinwheel.server.engine_process import EngineSpec
 from spinwheel.server.limits import ServerLimits, fit_connections_to_fd_limit
 from spinwheel.server.logs import install_repeat_filter
 from spinwheel.server.middleware import check_api_key
+from spinwheel.server.transport import resolve_http
 
 
 @dataclass
@@ -46,6 +49,12 @@ class ServeConfig(ServerLimits):
     )
     max_body_mb: float = option(1.0, help="largest accepted request body, MiB (larger: HTTP 413)")
     log_level: str = option("info", help="uvicorn log level")
+    http: Literal["auto", "httptools", "h11"] = option(
+        "auto", help="HTTP/1.1 parser: httptools (C) or h11 (pure Python); auto: httptools when installed"
+    )
+    loop: Literal["auto", "uvloop", "asyncio"] = option(
+        "auto", help="event loop of the HTTP server: uvloop (libuv) or asyncio's own; auto: uvloop when installed"
+    )
     engine_process: bool = option(
         True,
         help="run the engine in a process of its own, so that model steps and HTTP work do not share a GIL "
@@ -80,6 +89,9 @@ class ServeConfig(ServerLimits):
             raise ValueError(f"--decode-step-ms must be >= 0, got {self.decode_step_ms}")
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
+        resolve_http(self.http)  # ValueError now, not after the engine has loaded
+        if self.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ValueError("--loop uvloop: the uvloop package is not installed (pip install uvloop)")
 
     def limits(self) -> ServerLimits:
         return ServerLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerLimits)})
@@ -160,7 +172,8 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
         f"http://{config.host}:{config.port}/v1",
         flush=True,
     )
-    uvicorn_config = server.uvicorn_config(config.host, config.port, config.log_level)  # configures logging
+    # configures logging
+    uvicorn_config = server.uvicorn_config(config.host, config.port, config.log_level, config.http, config.loop)
     install_repeat_filter(config.log_repeat_interval_s)
     # What startup made (modules, the tokenizer, FastAPI's routes: ~2 x 10^5 objects) leaves the collector's view: a
     # connection flood allocates long-lived transports and protocols fast enough to trigger full collections, and
@@ -179,7 +192,9 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
 class BackgroundServer:
     """Run a server on a free loopback port in a background thread (tests, benchmarks, notebooks)."""
 
-    def __init__(self, server: OpenAIServer, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, server: OpenAIServer, host: str = "127.0.0.1", port: int = 0, http: str = "auto", loop: str = "auto"
+    ) -> None:
         import socket
 
         import uvicorn
@@ -189,7 +204,7 @@ class BackgroundServer:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
         self.server, self.host, self.port = server, host, port
-        self._uvicorn = uvicorn.Server(server.uvicorn_config(host, port, "warning"))
+        self._uvicorn = uvicorn.Server(server.uvicorn_config(host, port, "warning", http, loop))
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
 
     @property
