@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Collection, Mapping
@@ -109,4 +110,19 @@ def from_args(cls: type[T], ns: argparse.Namespace, prefix: str = "") -> T:
             if isinstance(value, list) and isinstance(f.default, tuple):
                 value = tuple(value)
             kwargs[f.name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        if not prefix:
+            raise
+        raise ValueError(_flag_names(str(e), cls, ns, prefix)) from None
+
+
+def _flag_names(message: str, cls: type, ns: argparse.Namespace, prefix: str) -> str:
+    """``message`` with the field names of ``cls`` that are command-line options here spelled as those options
+    (``max_num_seqs`` -> ``--engine-max-num-seqs``): the user typed the flag, not the field."""
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if "_" in f.name and hasattr(ns, prefix.replace("-", "_") + f.name):
+            flag = "--" + prefix + f.name.replace("_", "-")
+            message = re.sub(rf"(?<![\w-]){f.name}(?!\w)", flag, message)
+    return message

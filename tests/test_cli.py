@@ -264,3 +264,21 @@ def test_classic_command_writes_its_outputs(tmp_path, capsys):
     assert {"metrics.jsonl", "learning_curve.png", "policy.pt"} <= {p.name for p in out.iterdir()}
     with pytest.raises(SystemExit):  # argparse rejects an unknown algorithm
         main(["classic", "--algo", "sac"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--prompt", "hi", "--engine-max-num-seqs", "0"], "--engine-max-num-seqs must be >= 1, got 0"),
+        (
+            ["serve", "--engine-max-num-batched-tokens-with-decodes", "3"],
+            "--engine-max-num-batched-tokens-with-decodes must be between --engine-max-num-seqs (256) and "
+            "--engine-max-num-batched-tokens (2048), got 3",
+        ),
+    ],
+)
+def test_engine_option_errors_name_the_flag_not_the_field(argv, message, capsys):
+    """The engine's own checks speak of its fields; on the command line the user typed the flags."""
+    assert main([*argv, "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"spinwheel {argv[0]}: error: {message}"]
