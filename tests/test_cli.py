@@ -140,7 +140,7 @@ def test_sft_then_generate_end_to_end(checkpoint, capsys):
     )
     assert capsys.readouterr().out == text
     assert main(["generate", "--model", str(checkpoint), "--engine-block-size", "0"]) == 2
-    assert "block_size" in _error_line(capsys)
+    assert "--engine-block-size must be >= 1" in _error_line(capsys)
 
 
 def test_generate_sampling_options(checkpoint, capsys):

@@ -136,7 +136,11 @@ def test_short_run_raises_the_margin_and_resumes_exactly(tmp_path):
     assert (tmp_path / "full" / "curves.png").is_file()
 
     train_dpo(_config(tmp_path, stop_after=3))
-    resumed = train_dpo(_config(tmp_path))
+    with pytest.raises(ValueError, match=r"trained with other settings \(--lr 0.002 -> 0.001\)"):
+        train_dpo(_config(tmp_path, lr=1e-3))  # would not continue the same run
+    with pytest.raises(ValueError, match="is at step 3, past --steps 2"):
+        train_dpo(_config(tmp_path, steps=2))
+    resumed = train_dpo(_config(tmp_path, eval_every=4))  # what is observed may change
     assert resumed["start_step"] == 3
     losses = [h["loss"] for h in resumed["history"]]
     assert losses == pytest.approx([h["loss"] for h in full["history"][3:]], rel=1e-6)

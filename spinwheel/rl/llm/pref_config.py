@@ -47,7 +47,12 @@ class PreferenceConfig:
     eval_examples: int = option(500, help="held-out prompts / pairs per evaluation")
     save_every: int = option(100, help="write a checkpoint every N steps (0: only at the end)")
     seed: int = option(0, help="seed of the pairs, their order and the samples")
-    resume: bool = option(True, help="resume from <out_dir>/checkpoint when it exists")
+    resume: bool = option(
+        True,
+        help="resume from <out_dir>/checkpoint when it exists (options that would change the run's course, e.g. "
+        "--lr or --beta, are refused there unless --force)",
+    )
+    force: bool = option(False, help="resume even with options that change the run's course (the changes are printed)")
     dtype: str = option("float32", help="parameter dtype: float32, bfloat16 or float16 (GPUs)")
     device: str = option("cpu", help="torch device, e.g. cpu or cuda")
     num_threads: int = option(0, help="torch CPU threads (0: PyTorch's default)")

@@ -25,9 +25,10 @@ from spinwheel.parallel.trainer import Batch, LossFn
 from spinwheel.rl.llm.pref_config import PreferenceConfig
 from spinwheel.rl.llm.preference_data import PreferencePair
 from spinwheel.train.checkpoint import load_trainer_state
-from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner
+from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, is_main_process
 from spinwheel.train.metrics import MetricsLogger
 from spinwheel.train.optim import lr_at
+from spinwheel.train.resume import OBSERVATION_OPTIONS, resume_message, resume_point
 from spinwheel.train.sft_data import batch_indices
 
 BuildBatch = Callable[[Sequence[PreferencePair]], Batch]  # pairs -> trainer batch of 2·len(pairs) rows
@@ -65,9 +66,16 @@ class RunDirs:
 
     @classmethod
     def open(cls, config: PreferenceConfig) -> RunDirs:
+        """The run's directories and the checkpoint to resume, if any: refused (ValueError naming the options) when
+        it was trained with settings that change the run's course, unless ``--force``, or when it is past
+        ``--steps``; a resumed run says where it continues and what changed."""
         out_dir = Path(config.out_dir)
         ckpt_dir = out_dir / "checkpoint"
         state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
+        if state is not None:
+            start_step, changes = resume_point(config, state, ckpt_dir, OBSERVATION_OPTIONS)
+            if is_main_process():
+                print(resume_message(start_step, config.steps, ckpt_dir, changes), flush=True)
         return cls(out_dir, ckpt_dir, state)
 
     @property
