@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -179,7 +180,8 @@ def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> 
     cmd += ["--served-model-name", "bench", "--log-level", "warning"]
     cmd += ["--engine-process" if mode == "process" else "--no-engine-process"]
     cmd += shlex.split(args.process_args if mode == "process" else args.thread_args)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    log = tempfile.TemporaryFile()  # the server's start-up lines (the warm-up's decode-step fit), read after
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -204,6 +206,11 @@ def _serve(args: argparse.Namespace, work: list[tuple[str, int]], mode: str) -> 
     finally:
         proc.terminate()
         proc.wait(30)
+        log.seek(0)
+        fit = [line for line in log.read().decode(errors="replace").splitlines() if "warm-up step" in line]
+        if fit:
+            print(f"  {mode}: {fit[0].removeprefix('spinwheel serve: ')}")
+        log.close()
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -74,7 +74,7 @@ def measure_activations(rank: int, world_size: int) -> dict:
             model = Transformer(config).init_weights(seed=0)
             stage = PipelineStage(model, dims.pp_axis.rank, K)
             sched = PipelineSchedule(stage, dims.pp_axis, dims.comm, schedule, track_activations=True)
-            mbs = list(torch.randint(0, 64, (m * 2, 16)).chunk(m))
+            mbs = [mb.clone() for mb in torch.randint(0, 64, (m * 2, 16)).chunk(m)]  # each its own storage
             sched.step(mbs, lambda logits, i: logits.float().pow(2).mean())
             out[(schedule, m)] = (sched.stats.peak_activation_bytes, sched.stats.max_in_flight)
     return out
@@ -110,3 +110,29 @@ def test_1f1b_stores_at_most_k_over_m_of_gpipe_activations():
             assert gpipe_flight == m and f1b_flight == K - stage
             assert gpipe_bytes > 0
             assert f1b_bytes <= gpipe_bytes * K / m * 1.0001, (stage, m, f1b_bytes, gpipe_bytes)
+
+
+class _SharedBufferStage(nn.Module):
+    """One stage that saves, for each micro-batch, a view of one shared buffer: what a re-materialised stage does
+    with ``--remat-contiguous`` (every checkpoint a view of one contiguous buffer)."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.buffer = torch.randn(rows, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.buffer[int(ids[0, 0])] * self.w  # mul saves its input: a view into the buffer's storage
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_storage_that_micro_batches_share_counts_once_in_the_peak(schedule):
+    m, width = 4, 1000
+    stage = _SharedBufferStage(m, width)
+    axis = type("Axis", (), {"size": 1, "rank": 0})()  # one stage: nothing is sent, no process group needed
+    sched = PipelineSchedule(stage, axis, None, schedule, hidden_size=width, track_activations=True)  # type: ignore[arg-type]
+    microbatches = [torch.full((1, 1), i) for i in range(m)]  # own storages of 8 bytes each
+    sched.step(microbatches, lambda out, i: out.sum())
+    in_flight = m if schedule == "gpipe" else 1
+    assert sched.stats.peak_activation_bytes == 4 * m * width + 8 * in_flight  # the buffer once, each input's ids
+    assert stage.w.grad is not None

@@ -116,7 +116,7 @@ class PipelineStats:
     busy: float = 0.0  # seconds spent in forward/backward compute
     intervals: list[tuple[str, int, float, float]] = field(default_factory=list)  # (op, micro-batch, start, end)
     max_in_flight: int = 0  # micro-batches forwarded but not yet backwarded, at most
-    peak_activation_bytes: int = 0  # bytes autograd saved for in-flight micro-batches, at most
+    peak_activation_bytes: int = 0  # bytes autograd saved for in-flight micro-batches, at most (a storage once)
 
     def bubble(self, start: float | None = None, end: float | None = None) -> float:
         """Idle fraction of [start, end] (default: this stage's own step window)."""
@@ -165,7 +165,8 @@ class PipelineSchedule:
         m = len(microbatches)
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
-        stored: dict[int, int] = {}
+        stored: dict[int, dict[int, int]] = {}  # micro-batch -> the storages it saved (data_ptr -> bytes)
+        held: dict[int, int] = {}  # storage -> how many in-flight micro-batches hold it: each counts once
         sends: list[tuple[Handle, torch.Tensor]] = []
         total = torch.zeros((), dtype=torch.float32)
         stats = self.stats = PipelineStats()
@@ -212,8 +213,10 @@ class PipelineSchedule:
                 sent = out.detach()
                 sends.append((self.comm.isend(sent, self.axis, s + 1), sent))
             inputs[i], outputs[i] = x, out
-            stored[i] = sum(seen.values())
-            live += stored[i]
+            stored[i] = seen
+            for ptr, nbytes in seen.items():  # a storage shared by micro-batches (one remat buffer) counts once
+                live += nbytes if ptr not in held else 0
+                held[ptr] = held.get(ptr, 0) + 1
             stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
             stats.max_in_flight = max(stats.max_in_flight, len(outputs))
 
@@ -233,7 +236,11 @@ class PipelineSchedule:
             stats.intervals.append(("B", i, t0, t1))
             if not first:
                 sends.append((self.comm.isend(x.grad, self.axis, s - 1), x.grad))
-            live -= stored.pop(i)
+            for ptr, nbytes in stored.pop(i).items():
+                held[ptr] -= 1
+                if not held[ptr]:
+                    del held[ptr]
+                    live -= nbytes
 
         stats.start = time.monotonic()
         if self.schedule == "gpipe":
