@@ -314,6 +314,9 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
         f"slope {slope:+.1f} MiB/min; engine RSS (until the kill) first/last/max "
         f"{engine[0][1]:.0f}/{engine[-1][1]:.0f}/{max(e for _, e in engine):.0f}, slope {engine_slope:+.1f}"
     )
+    for name, series in (("API", api), ("engine", engine)):  # a plateau after warming up, or a climb?
+        tenths = [series[min(len(series) - 1, i * len(series) // 10)][1] for i in range(10)] + [series[-1][1]]
+        print(f"{name} RSS MiB at each tenth of the run: {' '.join(f'{x:.0f}' for x in tenths)}")
     checks = {
         "no unexpected 5xx or stream errors": not tally.unexpected and not server_500,
         "no KV blocks in use after draining": leaked == 0,
