@@ -279,8 +279,11 @@ def test_a_request_head_that_outgrows_the_cap_gets_431(http):
 
 def test_the_http_and_loop_options_are_checked_before_the_engine_loads():
     from spinwheel.server.serve import ServeConfig
-    from spinwheel.server.transport import resolve_http
+    from spinwheel.server.transport import resolve_http, resolve_loop
 
     assert resolve_http("auto") == "httptools" and resolve_http("h11") == "h11"
+    assert resolve_loop("auto") == "uvloop" and resolve_loop("asyncio") == "asyncio"
     with pytest.raises(ValueError, match="--http must be one of auto, httptools, h11"):
         ServeConfig(model="test", http="h2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--loop must be one of auto, uvloop, asyncio"):
+        ServeConfig(model="test", loop="trio")  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib.util
 import logging
 import os
 import threading
@@ -26,7 +25,7 @@ from spinwheel.server.engine_process import EngineSpec
 from spinwheel.server.limits import ServerLimits, fit_connections_to_fd_limit
 from spinwheel.server.logs import install_repeat_filter
 from spinwheel.server.middleware import check_api_key
-from spinwheel.server.transport import resolve_http
+from spinwheel.server.transport import resolve_http, resolve_loop
 
 
 @dataclass
@@ -90,8 +89,7 @@ class ServeConfig(ServerLimits):
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
         resolve_http(self.http)  # ValueError now, not after the engine has loaded
-        if self.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
-            raise ValueError("--loop uvloop: the uvloop package is not installed (pip install uvloop)")
+        resolve_loop(self.loop)
 
     def limits(self) -> ServerLimits:
         return ServerLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerLimits)})
@@ -169,7 +167,7 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
     print(
         f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
         f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; engine {where}; "
-        f"http://{config.host}:{config.port}/v1",
+        f"HTTP {resolve_http(config.http)} on {resolve_loop(config.loop)}; http://{config.host}:{config.port}/v1",
         flush=True,
     )
     # configures logging

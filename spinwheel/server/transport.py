@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import logging
 import socket
 from dataclasses import dataclass
@@ -60,6 +61,19 @@ def resolve_http(http: str) -> str:
             raise ValueError(msg) from None
         return "h11"
     return "httptools"
+
+
+def resolve_loop(loop: str) -> str:
+    """``"uvloop"`` or ``"asyncio"`` for a ``--loop`` choice, as uvicorn's "auto" picks it."""
+    if loop not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"--loop must be one of auto, uvloop, asyncio, got {loop!r}")
+    if loop == "asyncio":
+        return loop
+    if importlib.util.find_spec("uvloop") is None:
+        if loop == "uvloop":
+            raise ValueError("--loop uvloop: the uvloop package is not installed (pip install uvloop)")
+        return "asyncio"
+    return "uvloop"
 
 
 @dataclass
