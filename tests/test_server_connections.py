@@ -287,3 +287,25 @@ def test_the_http_and_loop_options_are_checked_before_the_engine_loads():
         ServeConfig(model="test", http="h2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--loop must be one of auto, uvloop, asyncio"):
         ServeConfig(model="test", loop="trio")  # type: ignore[arg-type]
+
+
+def test_the_guards_own_replies_are_well_formed_http():
+    """The 503 / 408 / 431 the guard writes itself, parsed by a client: a body as long as its content-length."""
+    import h11
+
+    from spinwheel.server import transport
+
+    for reply, status in (
+        (transport._REFUSED, 503),
+        (transport._HEADER_TIMEOUT, 408),
+        (transport._HEADER_TOO_LARGE, 431),
+    ):
+        client = h11.Connection(h11.CLIENT)
+        client.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+        client.send(h11.EndOfMessage())
+        client.receive_data(reply)
+        response, data, end = client.next_event(), client.next_event(), client.next_event()
+        assert isinstance(response, h11.Response) and response.status_code == status
+        assert isinstance(data, h11.Data) and isinstance(end, h11.EndOfMessage)
+        assert client.trailing_data == (b"", False), client.trailing_data  # nothing past the body it declared
+        assert reply.endswith(b"\r\n\r\n" + data.data)

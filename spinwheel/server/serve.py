@@ -163,7 +163,7 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
     except RuntimeError as e:  # the engine process could not start: say why in one line
         raise SystemExit(f"spinwheel serve: error: {e}") from None
     s = server.engine.stats()
-    where = f"engine process pid {server.engine.pid}" if isinstance(server.engine, EngineProcess) else "in-process"
+    where = f"process pid {server.engine.pid}" if isinstance(server.engine, EngineProcess) else "in-process"
     print(
         f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
         f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; engine {where}; "

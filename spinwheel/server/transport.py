@@ -32,18 +32,17 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
-_REFUSED = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 24\r\n"
-    b"connection: close\r\n\r\ntoo many open connections"
-)
-_HEADER_TIMEOUT = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 36\r\n"
-    b"connection: close\r\n\r\nrequest headers not received in time"
-)
-_HEADER_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\ncontent-length: 27\r\n"
-    b"connection: close\r\n\r\nrequest headers are too large"
-)
+
+def _reply(status: str, text: str) -> bytes:
+    """A whole plain-text response that closes the connection (written before or instead of the app)."""
+    body = text.encode()
+    head = f"HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    return head.encode() + body
+
+
+_REFUSED = _reply("503 Service Unavailable", "too many open connections")
+_HEADER_TIMEOUT = _reply("408 Request Timeout", "request headers not received in time")
+_HEADER_TOO_LARGE = _reply("431 Request Header Fields Too Large", "request headers are too large")
 HTTP_CHOICES = ("auto", "httptools", "h11")
 
 
