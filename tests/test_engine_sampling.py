@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import tiny_engine_model
 
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.models import ModelConfig, Tokenizer, Transformer
@@ -9,17 +10,7 @@ from spinwheel.models import ModelConfig, Tokenizer, Transformer
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=2,
-    )
-    return Transformer(cfg).init_weights(seed=0, std=0.1)
+    return tiny_engine_model(256)
 
 
 def _dense_logprobs(model, ids):

@@ -4,25 +4,15 @@ trace of it — no blocks, no cached prefixes, counters and the sampler's seed a
 import dataclasses
 
 import pytest
+from conftest import tiny_engine_model
 
 from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
 from spinwheel.engine.warmup import warm_up, warmup_prompts
-from spinwheel.models import ModelConfig, Transformer
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=2,
-    )
-    return Transformer(cfg).init_weights(seed=0, std=0.1)
+    return tiny_engine_model(128)
 
 
 def _engine(model, **kw):

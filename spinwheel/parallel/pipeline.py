@@ -215,7 +215,8 @@ class PipelineSchedule:
             inputs[i], outputs[i] = x, out
             stored[i] = seen
             for ptr, nbytes in seen.items():  # a storage shared by micro-batches (one remat buffer) counts once
-                live += nbytes if ptr not in held else 0
+                if ptr not in held:
+                    live += nbytes
                 held[ptr] = held.get(ptr, 0) + 1
             stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
             stats.max_in_flight = max(stats.max_in_flight, len(outputs))

@@ -43,36 +43,30 @@ def _reply(status: str, text: str) -> bytes:
 _REFUSED = _reply("503 Service Unavailable", "too many open connections")
 _HEADER_TIMEOUT = _reply("408 Request Timeout", "request headers not received in time")
 _HEADER_TOO_LARGE = _reply("431 Request Header Fields Too Large", "request headers are too large")
-HTTP_CHOICES = ("auto", "httptools", "h11")
+
+
+def _resolve(flag: str, choice: str, fast: str, plain: str) -> str:
+    """``fast`` or ``plain`` for a ``--flag`` of ``auto`` / ``fast`` / ``plain``, as uvicorn's "auto" picks: the fast
+    implementation when its package is installed (ValueError when it is asked for by name and is not)."""
+    if choice not in ("auto", fast, plain):
+        raise ValueError(f"--{flag} must be one of auto, {fast}, {plain}, got {choice!r}")
+    if choice == plain:
+        return plain
+    if importlib.util.find_spec(fast) is None:
+        if choice == fast:
+            raise ValueError(f"--{flag} {fast}: the {fast} package is not installed (pip install {fast})")
+        return plain
+    return fast
 
 
 def resolve_http(http: str) -> str:
-    """``"httptools"`` or ``"h11"`` for a ``--http`` choice (ValueError naming the choices otherwise)."""
-    if http not in HTTP_CHOICES:
-        raise ValueError(f"--http must be one of {', '.join(HTTP_CHOICES)}, got {http!r}")
-    if http == "h11":
-        return http
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        if http == "httptools":
-            msg = "--http httptools: the httptools package is not installed (pip install httptools)"
-            raise ValueError(msg) from None
-        return "h11"
-    return "httptools"
+    """``"httptools"`` or ``"h11"`` for a ``--http`` choice."""
+    return _resolve("http", http, "httptools", "h11")
 
 
 def resolve_loop(loop: str) -> str:
-    """``"uvloop"`` or ``"asyncio"`` for a ``--loop`` choice, as uvicorn's "auto" picks it."""
-    if loop not in ("auto", "uvloop", "asyncio"):
-        raise ValueError(f"--loop must be one of auto, uvloop, asyncio, got {loop!r}")
-    if loop == "asyncio":
-        return loop
-    if importlib.util.find_spec("uvloop") is None:
-        if loop == "uvloop":
-            raise ValueError("--loop uvloop: the uvloop package is not installed (pip install uvloop)")
-        return "asyncio"
-    return "uvloop"
+    """``"uvloop"`` or ``"asyncio"`` for a ``--loop`` choice."""
+    return _resolve("loop", loop, "uvloop", "asyncio")
 
 
 @dataclass
