@@ -27,6 +27,7 @@ OPERATORS: tuple[str, ...] = ("+", "-", "*")
 _ENUMERATE_LIMIT = 1 << 16
 
 _INTEGER = re.compile(r"-?\d+")
+_CANONICAL = re.compile(r"\s*([+-]?)0*([0-9]+)\s*")
 
 
 @dataclass
@@ -144,14 +145,32 @@ def extract_answer(completion: str) -> str | None:
     return matches[-1] if matches else None
 
 
+def canonical_integer(text: str) -> str:
+    """An integer written as ``int()`` reads it (sign, leading zeros, spaces), as canonical decimal text — also
+    past ``int()``'s digit limit, so a 5000-digit answer or completion compares instead of raising.
+
+    >>> canonical_integer(" -046 "), canonical_integer("-0"), canonical_integer("1_000")
+    ('-46', '0', '1000')
+    """
+    m = _CANONICAL.fullmatch(text)
+    if m is None:
+        return str(int(text))  # other spellings int() takes: underscores, non-ASCII digits; ValueError otherwise
+    sign, digits = m.groups()
+    return ("-" if sign == "-" and digits != "0" else "") + digits
+
+
 def reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final integer equals ``answer`` (compared as integers, so "046" == "46"), else 0.0."""
     try:
-        target = int(answer)
+        target = canonical_integer(answer)
     except ValueError:
-        raise ValueError(f"reward() compares integer answers; got answer {answer!r}") from None
+        shown = answer if len(answer) <= 40 else answer[:40] + f"... ({len(answer)} characters)"
+        raise ValueError(f"reward() compares integer answers; got answer {shown!r}") from None
     found = extract_answer(completion)
-    return 1.0 if found is not None and int(found) == target else 0.0
+    try:
+        return 1.0 if found is not None and canonical_integer(found) == target else 0.0
+    except ValueError:  # a runaway number of non-ASCII digits past int()'s limit: not the answer
+        return 0.0
 
 
 def evaluate(

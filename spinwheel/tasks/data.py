@@ -10,21 +10,31 @@ and fixed without reading the reader's code:
               far, ending with the user's turn; rendered with the checkpoint's chat template)
 - preference: ``{"prompt": str, "chosen": str, "rejected": str}``
 
-Small samples of each format ship in :data:`SAMPLES_DIR`.
+Lines are read with a byte cap (:data:`MAX_LINE_BYTES`) before anything parses them, so one huge line costs at
+most that much memory; every record remembers its ``path:line`` (``where``) so a later check (a prompt that does not
+fit the model's context) can name it too. Small samples of each format ship in :data:`SAMPLES_DIR`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from spinwheel.tasks.arithmetic import canonical_integer
 
 SAMPLES_DIR = Path(__file__).parent / "samples"
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
+
+# The longest data line read (bytes, newline excluded): far above any context a record must fit (1 MiB of text is
+# ~250k tokens), far below what parsing and tokenizing a runaway line would take (a 50 MB line took ~20 GB).
+MAX_LINE_BYTES = 1 << 20
 
 _SFT_FORMATS = '(expected {"prompt", "completion"} or {"messages"})'
 
@@ -40,6 +50,7 @@ class SFTRecord:
     prompt: str | None = None
     completion: str | None = None
     messages: list[dict[str, str]] | None = None
+    where: str = field(default="", compare=False, repr=False)  # "path:line" of the record, for later messages
 
     def __post_init__(self) -> None:
         if self.messages is None:
@@ -58,6 +69,7 @@ class RLRecord:
     prompt: str | None
     answer: str
     messages: list[dict[str, str]] | None = None  # instead of prompt: rendered with the chat template
+    where: str = field(default="", compare=False, repr=False)
 
 
 @dataclass
@@ -67,6 +79,7 @@ class PreferenceRecord:
     prompt: str
     chosen: str
     rejected: str
+    where: str = field(default="", compare=False, repr=False)
 
 
 def _type_name(value: Any) -> str:
@@ -74,33 +87,73 @@ def _type_name(value: Any) -> str:
     return {type(None): "null", dict: "object", str: "string"}.get(type(value), type(value).__name__)
 
 
-def _read_objects(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
+def _lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) of each line, never reading more than ``max_line_bytes`` + 1 bytes of one."""
+    with path.open("rb") as f:
+        for lineno in itertools.count(1):
+            raw = f.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):  # the read stopped inside the line
+                raise DataError(
+                    f"{path}:{lineno}: line longer than {max_line_bytes} bytes (the cap on one data line, "
+                    "MAX_LINE_BYTES / max_line_bytes); shorten or split the record"
+                )
+            yield lineno, raw
+
+
+def _parse(where: str, raw: bytes, first: bool) -> Any:
+    """One line's JSON value (None for a blank line), or a :class:`DataError` naming ``where``."""
+    try:
+        # utf-8-sig on the first line drops the byte-order mark some Windows editors write.
+        line = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not line.strip():
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON (nested too deeply to read)") from None
+    except ValueError:  # an integer past Python's digit limit for int(str)
+        limit = sys.get_int_max_str_digits()
+        raise DataError(f"{where}: invalid JSON (a number of more than {limit} digits; write it as a string)") from None
+
+
+def _read_objects(
+    path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_BYTES
+) -> list[tuple[str, dict[str, Any]]]:
     """(location prefix ``path:line``, object) for each non-blank line of a JSONL file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}" if not path.exists() else f"not a file: {path}")
     rows = []
     # Binary read, decoded per line, so an encoding error is reported with its line number as well.
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                # utf-8-sig on the first line drops the byte-order mark some Windows editors write.
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {_type_name(obj)}")
-            rows.append((where, obj))
+    for lineno, raw in _lines(path, max_line_bytes):
+        where = f"{path}:{lineno}"
+        obj = _parse(where, raw, first=lineno == 1)
+        if obj is None:
+            continue
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object, got {_type_name(obj)}")
+        rows.append((where, obj))
     if not rows:
         raise DataError(f"{path}: no records (the file is empty or blank)")
     return rows
+
+
+def _text(where: str, key: str, value: str) -> str:
+    """``value`` when it is valid Unicode; JSON's ``\\ud800`` escapes decode to lone surrogates no encoder takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            f"{where}: field '{key}' holds a lone surrogate (\\u{ord(value[e.start]):04x} at character {e.start}); "
+            "text must be valid Unicode"
+        ) from None
+    return value
 
 
 def _string(where: str, obj: dict[str, Any], key: str, expected: str) -> str:
@@ -109,7 +162,7 @@ def _string(where: str, obj: dict[str, Any], key: str, expected: str) -> str:
     value = obj[key]
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{key}' must be a string, got {_type_name(value)}")
-    return value
+    return _text(where, key, value)
 
 
 def _messages(where: str, value: Any, last_role: str = "assistant") -> list[dict[str, str]]:
@@ -135,30 +188,30 @@ def _messages(where: str, value: Any, last_role: str = "assistant") -> list[dict
     return messages
 
 
-def read_sft_jsonl(path: str | os.PathLike[str]) -> list[SFTRecord]:
+def read_sft_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_BYTES) -> list[SFTRecord]:
     """SFT records from ``{"prompt", "completion"}`` or ``{"messages"}`` lines (the two may be mixed)."""
     records = []
-    for where, obj in _read_objects(path):
+    for where, obj in _read_objects(path, max_line_bytes):
         if "messages" in obj:
             both = [key for key in ("prompt", "completion") if key in obj]
             if both:
                 raise DataError(
                     f"{where}: field '{both[0]}' given together with 'messages'; use one format {_SFT_FORMATS}"
                 )
-            records.append(SFTRecord(messages=_messages(where, obj["messages"])))
+            records.append(SFTRecord(messages=_messages(where, obj["messages"]), where=where))
         else:
             prompt = _string(where, obj, "prompt", _SFT_FORMATS)
             completion = _string(where, obj, "completion", _SFT_FORMATS)
-            records.append(SFTRecord(prompt=prompt, completion=completion))
+            records.append(SFTRecord(prompt=prompt, completion=completion, where=where))
     return records
 
 
-def read_rl_jsonl(path: str | os.PathLike[str]) -> list[RLRecord]:
+def read_rl_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_BYTES) -> list[RLRecord]:
     """RL records from ``{"prompt", "answer"}`` or ``{"messages", "answer"}`` lines (the messages end with the
     user's turn); an integer answer is kept as its decimal text."""
     expected = '(expected {"prompt", "answer"} or {"messages", "answer"})'
     records = []
-    for where, obj in _read_objects(path):
+    for where, obj in _read_objects(path, max_line_bytes):
         messages = None
         if "messages" in obj:
             if "prompt" in obj:
@@ -174,23 +227,44 @@ def read_rl_jsonl(path: str | os.PathLike[str]) -> list[RLRecord]:
             answer = str(answer)
         if not isinstance(answer, str):
             raise DataError(f"{where}: field 'answer' must be a string or an integer, got {_type_name(answer)}")
-        records.append(RLRecord(prompt=prompt, answer=answer, messages=messages))
+        records.append(RLRecord(prompt=prompt, answer=_text(where, "answer", answer), messages=messages, where=where))
     return records
 
 
-def read_preference_jsonl(path: str | os.PathLike[str]) -> list[PreferenceRecord]:
+def read_preference_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_BYTES) -> list[PreferenceRecord]:
     """Preference pairs from ``{"prompt", "chosen", "rejected"}`` lines."""
     expected = '(expected {"prompt", "chosen", "rejected"})'
     records = []
-    for where, obj in _read_objects(path):
+    for where, obj in _read_objects(path, max_line_bytes):
         prompt, chosen, rejected = (_string(where, obj, key, expected) for key in ("prompt", "chosen", "rejected"))
         for key, value in (("chosen", chosen), ("rejected", rejected)):
             if not value.strip():
                 raise DataError(f"{where}: field '{key}' is empty (a preference pair needs two completions)")
         if chosen == rejected:
             raise DataError(f"{where}: fields 'chosen' and 'rejected' are the same text (the pair prefers nothing)")
-        records.append(PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected))
+        records.append(PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected, where=where))
     return records
+
+
+def check_integer_answers(records: list[RLRecord]) -> None:
+    """The built-in reward compares integers: a :class:`DataError` at the first answer that is not one."""
+    for r in records:
+        try:
+            canonical_integer(r.answer)
+        except ValueError:
+            shown = r.answer if len(r.answer) <= 40 else r.answer[:40] + f"... ({len(r.answer)} characters)"
+            raise DataError(
+                f"{r.where}: field 'answer' must be an integer for --reward task (exact match of the final integer), "
+                f"got {shown!r}; give --reward module:function for other answers"
+            ) from None
+
+
+def describe_skipped(locations: list[str], what: str, why: str, num_shown: int = 5) -> str:
+    """One line counting the records left out and naming where the first ``num_shown`` are (``path:line``)."""
+    shown = ", ".join(locations[:num_shown]) + (
+        f" and {len(locations) - num_shown} more" if len(locations) > num_shown else ""
+    )
+    return f"skipped {len(locations)} {what} that {why}: {shown}"
 
 
 def write_jsonl(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> None:

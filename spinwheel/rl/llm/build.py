@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,21 +17,43 @@ from spinwheel.rl.llm.ppo import PPO
 from spinwheel.rl.llm.rollout import Prompt, prompts_from_task
 from spinwheel.rl.llm.trpo import TRPO
 from spinwheel.tasks.arithmetic import ArithmeticTask
-from spinwheel.tasks.data import DataError, RLRecord, read_rl_jsonl
+from spinwheel.tasks.data import DataError, RLRecord, check_integer_answers, describe_skipped, read_rl_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner
 
 
-def load_prompts(config: RLConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, held-out) prompts: the built-in arithmetic task's splits, or ``--data`` split by ``eval_fraction``."""
+def load_prompts(
+    config: RLConfig, tokenizer, max_context: int | None = None, log: Callable[[str], None] = print
+) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out) prompts: the built-in arithmetic task's splits, or ``--data`` split by ``eval_fraction``.
+
+    With ``max_context`` (the model's ``max_position_embeddings``), ``--data`` prompts that leave no room for
+    ``--max-new-tokens`` are skipped, counted in one line to ``log`` naming their ``path:line``; fewer than two
+    prompts left (one to train on, one held out) is a :class:`DataError`."""
     if config.data is None:
         task = ArithmeticTask(config.task)
         return prompts_from_task(tokenizer, task.train), prompts_from_task(tokenizer, task.test)
     records = read_rl_jsonl(config.data)
+    if config.reward == "task" and config.reward_model is None:
+        check_integer_answers(records)
     plain = iter(prompts_from_task(tokenizer, [r for r in records if r.messages is None]))
     rows = [next(plain) if r.messages is None else chat_prompt(tokenizer, r, config.data) for r in records]
+    if max_context is not None:
+        room = max_context - config.max_new_tokens
+        skipped = [f"{r.where} ({len(p.ids)} tokens)" for r, p in zip(records, rows) if len(p.ids) > room]
+        if skipped:
+            why = (
+                f"do not fit the model's context of {max_context} tokens with --max-new-tokens {config.max_new_tokens}"
+            )
+            log(f"{config.data}: " + describe_skipped(skipped, "prompts", why))
+            rows = [p for p in rows if len(p.ids) <= room]
+    if len(rows) < 2:
+        raise DataError(
+            f"{config.data}: {len(rows)} usable prompt(s); RL needs at least 2 (one to train on, one held out "
+            "for evaluation)"
+        )
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
+    num_eval = max(1, int(len(rows) * config.eval_fraction))
     return [rows[i] for i in order[num_eval:]], [rows[i] for i in order[:num_eval]]
 
 
