@@ -12,7 +12,13 @@ from torch import nn
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelDims, spawn
-from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage, bubble_fraction, stage_layer_ranges
+from spinwheel.parallel.pipeline import (
+    PipelineSchedule,
+    PipelineStage,
+    bubble_fraction,
+    schedule_order,
+    stage_layer_ranges,
+)
 
 K = 2
 HIDDEN = 8
@@ -44,6 +50,27 @@ class SleepStage(nn.Module):
         if self.first:  # (b, T) -> (b, T, C)
             x = x.unsqueeze(-1) * self.weight
         return _Sleep.apply(x * self.weight)
+
+
+def test_schedule_orders_are_the_papers():
+    # 1F1B on stage 0 of 4 with 4 micro-batches: 3 warm-up forwards, one 1F1B pair, 3 drain backwards.
+    assert schedule_order("1f1b", 4, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0)] + [
+        ("B", 1),
+        ("B", 2),
+        ("B", 3),
+    ]
+    assert schedule_order("1f1b", 4, 3, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert schedule_order("gpipe", 2, 1, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    for k, m in [(2, 1), (3, 5), (4, 8)]:
+        for s in range(k):
+            order = schedule_order("1f1b", k, s, m)
+            assert sorted(order) == [(op, i) for op in "BF" for i in range(m)]  # each once
+            in_flight, peak = 0, 0
+            for op, i in order:
+                assert op == "F" or ("F", i) in order[: order.index((op, i))]  # a backward after its forward
+                in_flight += 1 if op == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak == min(k - s, m)
 
 
 def measure_bubbles(rank: int, world_size: int) -> dict:

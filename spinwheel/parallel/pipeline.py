@@ -125,6 +125,83 @@ class PipelineStats:
         return 1.0 - self.busy / (end - start)
 
 
+def schedule_order(schedule: Schedule, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The order stage ``stage`` runs its forwards ("F", i) and backwards ("B", i) in.
+
+    GPipe: every forward, then every backward. 1F1B: K−s−1 warm-up forwards, then one forward / one backward
+    alternating, then the remaining backwards (the drain).
+    """
+    m = num_microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(num_stages - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+
+
+class ActivationLedger:
+    """The bytes autograd saved for the micro-batches in flight, and their peak over a step.
+
+    A storage is counted once however many in-flight micro-batches saved it (one re-materialisation buffer that
+    every checkpoint is a view of), and parameters are not activations. Disabled, it records nothing.
+    """
+
+    def __init__(self, module: nn.Module, enabled: bool) -> None:
+        self.enabled = enabled
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()} if enabled else set()
+        self.stored: dict[int, dict[int, int]] = {}  # micro-batch -> the storages it saved (data_ptr -> bytes)
+        self.held: dict[int, int] = {}  # storage -> how many in-flight micro-batches hold it
+        self.live = 0
+        self.peak = 0
+
+    def run(self, module: nn.Module, x: torch.Tensor, seen: dict[int, int]) -> torch.Tensor:
+        """``module(x)``, recording into ``seen`` each non-parameter storage autograd saves."""
+        if not self.enabled:
+            return module(x)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.param_ptrs:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return module(x)
+
+    def hold(self, i: int, seen: dict[int, int]) -> None:
+        """Micro-batch i keeps ``seen`` alive until its backward."""
+        self.stored[i] = seen
+        for ptr, nbytes in seen.items():
+            if ptr not in self.held:
+                self.live += nbytes
+            self.held[ptr] = self.held.get(ptr, 0) + 1
+        self.peak = max(self.peak, self.live)
+
+    def release(self, i: int) -> None:
+        """Micro-batch i's backward ran: what only it held is freed."""
+        for ptr, nbytes in self.stored.pop(i).items():
+            self.held[ptr] -= 1
+            if not self.held[ptr]:
+                del self.held[ptr]
+                self.live -= nbytes
+
+
+@dataclass
+class _StepState:
+    """What one step keeps between a micro-batch's forward and its backward."""
+
+    run: nn.Module
+    microbatches: list[torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, int], torch.Tensor]
+    ledger: ActivationLedger
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # the stage input x, for x.grad
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # the stage output (the loss on the last stage)
+    sends: list[tuple[Handle, torch.Tensor]] = field(default_factory=list)  # kept alive until the sends complete
+    total: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
+
+
 class PipelineSchedule:
     """Runs one training step of ``stage`` over micro-batches with the GPipe or 1F1B schedule."""
 
@@ -147,6 +224,14 @@ class PipelineSchedule:
         self.track_activations = track_activations
         self.stats = PipelineStats()
 
+    @property
+    def is_first(self) -> bool:
+        return self.axis.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.axis.rank == self.axis.size - 1
+
     def step(
         self,
         microbatches: list[torch.Tensor],
@@ -160,108 +245,72 @@ class PipelineSchedule:
         ``module`` is what to call (e.g. a data-parallel wrapper around the stage); default the stage itself.
         """
         run = module or self.stage
-        k, s = self.axis.size, self.axis.rank
-        first, last = s == 0, s == k - 1
-        m = len(microbatches)
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        stored: dict[int, dict[int, int]] = {}  # micro-batch -> the storages it saved (data_ptr -> bytes)
-        held: dict[int, int] = {}  # storage -> how many in-flight micro-batches hold it: each counts once
-        sends: list[tuple[Handle, torch.Tensor]] = []
-        total = torch.zeros((), dtype=torch.float32)
-        stats = self.stats = PipelineStats()
-        live = 0
-        param_ptrs = {p.untyped_storage().data_ptr() for p in run.parameters()} if self.track_activations else set()
-
-        def forward(i: int) -> None:
-            nonlocal total, live
-            ids = microbatches[i]
-            if first:
-                x = ids
+        state = _StepState(run, microbatches, loss_fn, ActivationLedger(run, self.track_activations))
+        self.stats = PipelineStats(start=time.monotonic())
+        for op, i in schedule_order(self.schedule, self.axis.size, self.axis.rank, len(microbatches)):
+            if op == "F":
+                self._forward(state, i)
             else:
-                x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype)  # (b, T, C)
-                self.comm.recv(x, self.axis, s - 1)
-                x.requires_grad_(True)
-            t0 = time.monotonic()
-            seen: dict[int, int] = {}
-            if self.track_activations:
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in param_ptrs:
-                        seen[ptr] = t.untyped_storage().nbytes()
-                    return t
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = run(x)
-            else:
-                out = run(x)
-            if not first and getattr(self.stage, "remat_input_copied", False):
-                # Re-materialised stage whose checkpoint keeps its own (partitioned) copy of x: the schedule holds
-                # x only to collect x.grad, which needs its shape, not its values.
-                x.untyped_storage().resize_(0)
-            if self.track_activations:  # x itself stays alive until this micro-batch's backward
-                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-            if last:
-                loss = loss_fn(out, i)
-                total = total + loss.detach().float()
-                out = loss
-            t1 = time.monotonic()
-            stats.busy += t1 - t0
-            stats.intervals.append(("F", i, t0, t1))
-            if not last:
-                sent = out.detach()
-                sends.append((self.comm.isend(sent, self.axis, s + 1), sent))
-            inputs[i], outputs[i] = x, out
-            stored[i] = seen
-            for ptr, nbytes in seen.items():  # a storage shared by micro-batches (one remat buffer) counts once
-                if ptr not in held:
-                    live += nbytes
-                held[ptr] = held.get(ptr, 0) + 1
-            stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
-            stats.max_in_flight = max(stats.max_in_flight, len(outputs))
-
-        def backward(i: int) -> None:
-            nonlocal live
-            out, x = outputs.pop(i), inputs.pop(i)
-            if last:
-                t0 = time.monotonic()
-                out.backward()
-            else:
-                grad = torch.empty_like(out)
-                self.comm.recv(grad, self.axis, s + 1)
-                t0 = time.monotonic()
-                torch.autograd.backward(out, grad)
-            t1 = time.monotonic()
-            stats.busy += t1 - t0
-            stats.intervals.append(("B", i, t0, t1))
-            if not first:
-                sends.append((self.comm.isend(x.grad, self.axis, s - 1), x.grad))
-            for ptr, nbytes in stored.pop(i).items():
-                held[ptr] -= 1
-                if not held[ptr]:
-                    del held[ptr]
-                    live -= nbytes
-
-        stats.start = time.monotonic()
-        if self.schedule == "gpipe":
-            for i in range(m):
-                forward(i)
-            for i in range(m):
-                backward(i)
-        else:
-            warmup = min(k - s - 1, m)
-            for i in range(warmup):
-                forward(i)
-            for i in range(m - warmup):
-                forward(warmup + i)
-                backward(i)
-            for i in range(m - warmup, m):
-                backward(i)
-        for handle, _ in sends:
+                self._backward(state, i)
+        for handle, _ in state.sends:
             handle.wait()
-        stats.end = time.monotonic()
-        return total
+        self.stats.end = time.monotonic()
+        return state.total
+
+    def _receive_input(self, ids: torch.Tensor) -> torch.Tensor:
+        """Stage 0's input is the token ids; a later stage's is the previous stage's activations (b, T, C)."""
+        if self.is_first:
+            return ids
+        x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype)  # (b, T, C)
+        self.comm.recv(x, self.axis, self.axis.rank - 1)
+        return x.requires_grad_(True)
+
+    def _forward(self, state: _StepState, i: int) -> None:
+        """Micro-batch i's forward: receive, compute (the loss on the last stage), send on, keep for the backward."""
+        stats = self.stats
+        x = self._receive_input(state.microbatches[i])
+        t0 = time.monotonic()
+        seen: dict[int, int] = {}
+        out = state.ledger.run(state.run, x, seen)
+        if not self.is_first and getattr(self.stage, "remat_input_copied", False):
+            # Re-materialised stage whose checkpoint keeps its own (partitioned) copy of x: the schedule holds
+            # x only to collect x.grad, which needs its shape, not its values.
+            x.untyped_storage().resize_(0)
+        if state.ledger.enabled:  # x itself stays alive until this micro-batch's backward
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        if self.is_last:
+            loss = state.loss_fn(out, i)
+            state.total = state.total + loss.detach().float()
+            out = loss
+        t1 = time.monotonic()
+        stats.busy += t1 - t0
+        stats.intervals.append(("F", i, t0, t1))
+        if not self.is_last:
+            sent = out.detach()
+            state.sends.append((self.comm.isend(sent, self.axis, self.axis.rank + 1), sent))
+        state.inputs[i], state.outputs[i] = x, out
+        state.ledger.hold(i, seen)
+        stats.peak_activation_bytes = state.ledger.peak
+        stats.max_in_flight = max(stats.max_in_flight, len(state.outputs))
+
+    def _backward(self, state: _StepState, i: int) -> None:
+        """Micro-batch i's backward: receive the output's gradient (the last stage starts from its loss), compute,
+        send the input's gradient back."""
+        out, x = state.outputs.pop(i), state.inputs.pop(i)
+        if self.is_last:
+            t0 = time.monotonic()
+            out.backward()
+        else:
+            grad = torch.empty_like(out)
+            self.comm.recv(grad, self.axis, self.axis.rank + 1)
+            t0 = time.monotonic()
+            torch.autograd.backward(out, grad)
+        t1 = time.monotonic()
+        self.stats.busy += t1 - t0
+        self.stats.intervals.append(("B", i, t0, t1))
+        if not self.is_first:
+            state.sends.append((self.comm.isend(x.grad, self.axis, self.axis.rank - 1), x.grad))
+        state.ledger.release(i)
 
     @torch.no_grad()
     def forward_only(
