@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.tasks.arithmetic import ArithmeticTask, reward
-from spinwheel.tasks.data import read_sft_jsonl
+from spinwheel.tasks.data import describe_skipped, read_sft_jsonl
 from spinwheel.train.sft_config import SFTConfig
 
 
@@ -41,56 +41,66 @@ class SFTData:
     eval: list[SFTExample]
     score: Callable[[str, str], float]  # (generated completion, reference) -> 0..1
     num_dropped: int = 0
+    dropped_message: str = ""  # one line counting the dropped examples and naming where they are ("" if none)
 
 
-def build_data(config: SFTConfig, tokenizer: Tokenizer) -> SFTData:
-    """Tokenize the built-in arithmetic task or ``config.data``; examples longer than ``max_seq_len`` are dropped."""
-    if tokenizer.eos_id is None:
-        raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
-    # (prompt text, prompt ids, reference completion). Raw prompts get the tokenizer's special tokens (BOS);
-    # chat-rendered prompts already carry them, as HF chat templates write BOS themselves.
-    rows_train: list[tuple[str, list[int], str]]
-    rows_eval: list[tuple[str, list[int], str]]
+# (prompt text, prompt ids, reference completion, where: "path:line" or the task split and index)
+_Row = tuple[str, list[int], str, str]
+
+
+def _read_rows(config: SFTConfig, tokenizer: Tokenizer) -> tuple[list[_Row], list[_Row]]:
+    """(train, held-out) rows of the built-in task or ``config.data``. Raw prompts get the tokenizer's special
+    tokens (BOS); chat-rendered prompts already carry them, as HF chat templates write BOS themselves."""
     if config.data is None:
         task = ArithmeticTask(config.task)
-        rows_train = [(e.prompt, tokenizer.encode(e.prompt), e.answer) for e in task.train]
-        rows_eval = [(e.prompt, tokenizer.encode(e.prompt), e.answer) for e in task.test]
-        score: Callable[[str, str], float] = reward
-    else:
-        rows = []
-        for r in read_sft_jsonl(config.data):
-            if r.messages is not None:
-                prompt = tokenizer.apply_chat_template(r.messages[:-1], add_generation_prompt=True)
-                rows.append((prompt, tokenizer.encode(prompt, add_special_tokens=False), r.messages[-1]["content"]))
-            else:
-                assert r.prompt is not None and r.completion is not None
-                rows.append((r.prompt, tokenizer.encode(r.prompt), r.completion))
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
-        num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
-        rows_eval = [rows[i] for i in order[:num_eval]]
-        rows_train = [rows[i] for i in order[num_eval:]]
-        score = exact_match
+        return tuple(  # type: ignore[return-value]
+            [(e.prompt, tokenizer.encode(e.prompt), e.answer, f"{split} example {i}") for i, e in enumerate(examples)]
+            for split, examples in (("train", task.train), ("test", task.test))
+        )
+    rows = []
+    for r in read_sft_jsonl(config.data):
+        if r.messages is not None:
+            prompt = tokenizer.apply_chat_template(r.messages[:-1], add_generation_prompt=True)
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            rows.append((prompt, ids, r.messages[-1]["content"], r.where))
+        else:
+            assert r.prompt is not None and r.completion is not None
+            rows.append((r.prompt, tokenizer.encode(r.prompt), r.completion, r.where))
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
+    return [rows[i] for i in order[num_eval:]], [rows[i] for i in order[:num_eval]]
 
-    dropped = 0
 
-    def tokenize(rows: list[tuple[str, list[int], str]]) -> list[SFTExample]:
-        nonlocal dropped
-        completions = tokenizer.encode_batch([c for _, _, c in rows], add_special_tokens=False)
+def build_data(config: SFTConfig, tokenizer: Tokenizer, max_context: int | None = None) -> SFTData:
+    """Tokenize the built-in arithmetic task or ``config.data``. Examples longer than ``max_seq_len`` are dropped,
+    and with ``max_context`` (the model's ``max_position_embeddings``) those longer than it or whose prompt leaves
+    no room for ``max_new_tokens`` at evaluation; ``dropped_message`` counts them and names where they are."""
+    if tokenizer.eos_id is None:
+        raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
+    rows_train, rows_eval = _read_rows(config, tokenizer)
+    score: Callable[[str, str], float] = reward if config.data is None else exact_match
+    limit = config.max_seq_len if max_context is None else min(config.max_seq_len, max_context)
+    prompt_room = limit if max_context is None else max_context - config.max_new_tokens
+    dropped: list[str] = []
+
+    def tokenize(rows: list[_Row]) -> list[SFTExample]:
+        completions = tokenizer.encode_batch([c for _, _, c, _ in rows], add_special_tokens=False)
         out = []
-        for (p, p_ids, c), c_ids in zip(rows, completions):
-            if len(p_ids) + len(c_ids) + 1 > config.max_seq_len:
-                dropped += 1
+        for (p, p_ids, c, where), c_ids in zip(rows, completions):
+            if len(p_ids) + len(c_ids) + 1 > limit or len(p_ids) > prompt_room:
+                dropped.append(f"{where} ({len(p_ids)} + {len(c_ids) + 1} tokens)")
                 continue
             out.append(SFTExample(p, c, tuple(p_ids), tuple(c_ids) + (tokenizer.eos_id,)))  # type: ignore[operator]
         return out
 
     train, evaluation = tokenize(rows_train), tokenize(rows_eval)
+    why = f"are longer than --max-seq-len {config.max_seq_len}"
+    if max_context is not None:
+        why += f" or do not fit the model's context of {max_context} with --max-new-tokens {config.max_new_tokens}"
+    message = describe_skipped(dropped, "examples", why) if dropped else ""
     if not train:
-        raise ValueError(
-            f"no training examples left (dropped {dropped} longer than --max-seq-len "
-            f"{config.max_seq_len}); raise --max-seq-len or check --data"
-        )
-    return SFTData(train, evaluation, score, dropped)
+        raise ValueError(f"no training examples left ({message}); raise --max-seq-len or check --data")
+    return SFTData(train, evaluation, score, len(dropped), message)
 
 
 def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> list[int]:
