@@ -30,7 +30,7 @@ from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.tasks.arithmetic import Example
-from spinwheel.tasks.data import read_preference_jsonl
+from spinwheel.tasks.data import describe_skipped, read_preference_jsonl
 
 _PROBLEM = re.compile(r"^(\d+)([+\-*])(\d+)=$")
 
@@ -60,17 +60,33 @@ def tokenize_pair(tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str,
 
 
 def pairs_from_jsonl(
-    path: str | os.PathLike[str], tokenizer: Tokenizer, *, add_eos: bool, max_seq_len: int
+    path: str | os.PathLike[str],
+    tokenizer: Tokenizer,
+    *,
+    add_eos: bool,
+    max_seq_len: int,
+    max_context: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[list[PreferencePair], int]:
     """Pairs of a ``{"prompt", "chosen", "rejected"}`` JSONL file (bad lines raise ``path:line: ...``); pairs
-    longer than ``max_seq_len`` are dropped. Returns (pairs, number dropped)."""
-    pairs = [
-        tokenize_pair(tokenizer, r.prompt, r.chosen, r.rejected, add_eos=add_eos) for r in read_preference_jsonl(path)
-    ]
-    kept = [p for p in pairs if p.length <= max_seq_len]
+    longer than ``max_seq_len`` — or than ``max_context``, the model's ``max_position_embeddings`` — are dropped,
+    and counted in one line to ``log`` naming their ``path:line``. Returns (pairs, number dropped)."""
+    limit = max_seq_len if max_context is None else min(max_seq_len, max_context)
+    kept, dropped = [], []
+    for r in read_preference_jsonl(path):
+        pair = tokenize_pair(tokenizer, r.prompt, r.chosen, r.rejected, add_eos=add_eos)
+        if pair.length <= limit:
+            kept.append(pair)
+        else:
+            dropped.append(f"{r.where} ({pair.length} tokens)")
+    why = f"are longer than --max-seq-len {max_seq_len}" + (
+        "" if max_context is None else f" or the model's context of {max_context}"
+    )
     if not kept:
-        raise ValueError(f"{path}: every pair is longer than --max-seq-len {max_seq_len}; raise it")
-    return kept, len(pairs) - len(kept)
+        raise ValueError(f"{path}: every pair {why}; raise --max-seq-len or shorten the pairs")
+    if dropped and log is not None:
+        log(f"{path}: " + describe_skipped(dropped, "pairs", why))
+    return kept, len(dropped)
 
 
 def answer_range(op: str, num_digits: int) -> tuple[int, int]:
