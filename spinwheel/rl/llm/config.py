@@ -42,6 +42,11 @@ class RLConfig:
     reward_model: str | None = option(
         None, help="reward-model checkpoint (spinwheel rm) scoring prompt+completion (instead of --reward)"
     )
+    reward_timeout_s: float | None = option(
+        300.0,
+        help="seconds one step's reward call (function or reward model) may take; past it the run stops with an "
+        "error (Ctrl-C also stops the wait)",
+    )
     out_dir: str = option("runs/grpo", help="where checkpoint/, metrics.jsonl and curves.png are written")
     steps: int = option(200, help="rollout steps (each: generate, score, update)")
     prompts_per_step: int = option(8, help="prompts per rollout step")
@@ -144,6 +149,8 @@ class RLConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.reward_timeout_s is not None and not 0 < self.reward_timeout_s < float("inf"):
+            raise ValueError(f"--reward-timeout-s must be a number of seconds > 0, got {self.reward_timeout_s}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.eval_fraction < 1:
