@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch(argv[1:])
     ns = build_parser().parse_args(argv)
+    from spinwheel.train.run import NonFiniteError
+
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; 0 in one process
     try:
         return _dispatch(ns)
@@ -267,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         if code == 130 and not hasattr(e, "exit_code") and rank == 0:
             print(f"spinwheel {ns.command}: interrupted", file=sys.stderr)
         return code
+    except NonFiniteError as e:  # the run stopped before saving broken weights: one line, not a traceback
+        if rank == 0:
+            print(f"spinwheel {ns.command}: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except (ValueError, OSError) as e:
         # Bad input (configs, checkpoints, data files): one line naming the problem, no traceback. Under torchrun
         # rank 0 speaks for all; a system error (disk, permissions) may be one node's, so its rank says it too.

@@ -69,11 +69,15 @@ class StopOnSignal:
     def agreed(self) -> int | None:
         """The signal any rank received so far, the same on every rank (a collective under torchrun: every rank
         calls it once per step); ``None``: keep going."""
+        return self.agree(False)[0]
+
+    def agree(self, failed: bool) -> tuple[int | None, bool]:
+        """(:meth:`agreed`'s signal, whether any rank's ``failed`` is true) in one collective under torchrun."""
         if not self.distributed:
-            return self.signum
-        flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=_flag_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()) or None
+            return self.signum, failed
+        flags = torch.tensor([self.signum or 0, int(failed)], dtype=torch.int64, device=_flag_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return int(flags[0].item()) or None, bool(flags[1].item())
 
     @staticmethod
     def interrupted(signum: int, step: int, ckpt_dir: Path, is_main: bool, resumable: bool = True) -> Interrupted:
@@ -86,3 +90,12 @@ class StopOnSignal:
                 flush=True,
             )
         return Interrupted(signum, step)
+
+
+def any_rank(flag: bool, distributed: bool) -> bool:
+    """Whether ``flag`` is true on any rank (a collective under torchrun: every rank calls it at the same point)."""
+    if not distributed:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=_flag_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -67,6 +67,7 @@ class Learner(Protocol):
     def sync_engine_model(self) -> None: ...
     def comm_metrics(self) -> dict[str, int]: ...
     def load(self, ckpt_dir: Path, state: dict[str, Any] | None) -> None: ...
+    def params_finite(self) -> bool: ...
     def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None: ...
 
 
@@ -130,6 +131,9 @@ class LocalLearner:
 
     def comm_metrics(self) -> dict[str, int]:
         return {}  # one process: no collectives
+
+    def params_finite(self) -> bool:
+        return params_finite(self.model.parameters())
 
     def load(self, ckpt_dir: Path, state: dict[str, Any] | None = None) -> None:
         """Restore optimizer and RNG state from ``trainer_state.pt``'s dict (weights come with the model)."""
@@ -223,6 +227,10 @@ class ParallelLearner:
         difference over a step (:func:`~spinwheel.parallel.comm.metrics_since`)."""
         return self.dims.comm.stats.metrics()
 
+    def params_finite(self) -> bool:
+        """Whether this rank's parameters (its shards) are finite; the harness agrees over ranks."""
+        return params_finite(self.trainer.pm.module.parameters())
+
     def load(self, ckpt_dir: Path, state: dict[str, Any] | None = None) -> None:
         shards = ckpt_dir / SHARDED_DIR
         if not shards.is_dir():
@@ -252,6 +260,11 @@ class ParallelLearner:
         shards.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), shards / f"rng{self.rank:05d}.pt")
         self.trainer.save(str(shards))  # ends in a barrier: every shard is written before rank 0 renames
+
+
+def params_finite(params: Iterator[torch.Tensor]) -> bool:
+    """Whether every tensor of ``params`` is finite (one reduction each, no copies)."""
+    return all(bool(torch.isfinite(p).all()) for p in params)
 
 
 def is_main_process() -> bool:

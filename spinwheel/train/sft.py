@@ -16,34 +16,28 @@ logs, evaluates on the consolidated weights and writes the HF files, every rank 
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.parallel.trainer import nll_loss
-from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.evaluation import Generate, engine_generate, heldout_eval, plain_generate
-from spinwheel.train.interrupt import StopOnSignal
 from spinwheel.train.learners import (
     Learner,
     LocalLearner,
     OptimConfig,
     ParallelLearner,
     distributed_world,
-    is_main_process,
 )
-from spinwheel.train.metrics import MetricsLogger, plot_curves
 from spinwheel.train.optim import lr_at
-from spinwheel.train.resume import OBSERVATION_OPTIONS, finished_message, resume_message, resume_point
+from spinwheel.train.resume import OBSERVATION_OPTIONS
+from spinwheel.train.run import Run
 from spinwheel.train.sft_config import SFTConfig
 from spinwheel.train.sft_data import batch_indices, build_data, collate, trainer_batch
 
@@ -77,147 +71,103 @@ def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool =
 def run_sft(
     config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: OnEval | None = None, announce: bool = False
 ) -> dict[str, Any]:
-    """The SFT loop over the learner ``make_learner(model)`` builds (see :func:`train_sft`)."""
-    out_dir = Path(config.out_dir)
-    ckpt_dir = out_dir / "checkpoint"
-    state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
-    start_step, changes = resume_point(config, state, ckpt_dir, RESUME_HARMLESS) if state is not None else (0, [])
-    main = is_main_process()
-    if state is not None and start_step == config.steps:
-        if main:
-            print(finished_message(start_step, config.steps, ckpt_dir), flush=True)
-        return {"start_step": start_step, "end_step": start_step, "finished": True, "checkpoint": str(ckpt_dir)}
-    tokenizer = load_tokenizer(ckpt_dir if state is not None else config.model)
-    torch.manual_seed(config.seed)
-    model = load_model(
-        ckpt_dir if state is not None else config.model,
-        dtype=config.dtype,
-        device=config.device,
-        seed=config.seed,
-        vocab_size=tokenizer.vocab_size,
-    )
-    num_params = sum(p.numel() for p in set(model.parameters()))
-    data = build_data(config, tokenizer)
-    if main:
-        if announce:
-            source = config.data or "the built-in arithmetic task"
-            print(
-                f"spinwheel sft: {config.model} ({num_params / 1e6:.2f}M parameters) on {source}: "
-                f"{len(data.train)} train / {len(data.eval)} held-out examples; {config.steps} steps of "
-                f"{config.batch_size}; writing {out_dir}/",
-                flush=True,
-            )
-        if state is not None:
-            print(resume_message(start_step, config.steps, ckpt_dir, changes), flush=True)
-        if data.num_dropped:
-            print(f"dropped {data.num_dropped} examples longer than --max-seq-len {config.max_seq_len}", flush=True)
-    learner = make_learner(model)
-    if state is not None:
-        learner.load(ckpt_dir, state)
-    logger = MetricsLogger(out_dir, resume_step=start_step if state is not None else None) if learner.is_main else None
+    """The SFT run over the learner ``make_learner(model)`` builds (see :func:`train_sft`), on the harness."""
+    from spinwheel.parallel.launch import launched_world_size
 
-    def log(record: dict[str, Any]) -> None:
-        if logger is not None:
-            logger.log(record)
-
-    if state is None:
-        log(
-            {
-                "step": 0,
-                "num_params": num_params,
-                "num_train": len(data.train),
-                "num_eval": len(data.eval),
-                "num_dropped": data.num_dropped,
-            }
+    with Run(config, launched_world_size() > 1, "sft", RESUME_HARMLESS) as run:
+        if run.finished():
+            return run.finished_result()
+        job = SFTJob(config, run, make_learner, on_eval, announce)
+        result = run.train(
+            job,
+            [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
+            f"SFT {config.model}",
+            lambda r: {"loss": f"{r['loss']:.4f}", "lr": f"{r['lr']:.2e}"},
         )
+        result["losses"] = [r["loss"] for r in result["history"]]
+        if announce and job.learner.is_main:
+            print(summary(result, job.data.eval, run.out_dir), flush=True)
+        return result
 
-    result: dict[str, Any] = {"start_step": start_step}
-    generate_fn: Generate | None = None
-    if learner.is_main and learner.engine_model is not None and data.eval:
-        longest = max(len(e.prompt_ids) for e in data.eval)
-        generate_fn = (
-            engine_generate(learner.engine_model, tokenizer, longest + config.max_new_tokens + 1)
-            if config.eval_engine
-            else plain_generate(learner.engine_model, tokenizer)
+
+class SFTJob:
+    """One SFT step: the step's batch (a pure function of seed and step), one optimizer step of the token-mean
+    NLL of the completion tokens at the scheduled learning rate."""
+
+    def __init__(
+        self, config: SFTConfig, run: Run, make_learner: Callable[[Any], Learner], on_eval: OnEval | None, announce
+    ) -> None:
+        self.config, self.run, self.on_eval = config, run, on_eval
+        source = run.ckpt_dir if run.resumed else config.model
+        self.tokenizer = load_tokenizer(source)
+        torch.manual_seed(config.seed)
+        model = load_model(
+            source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=self.tokenizer.vocab_size
         )
+        num_params = sum(p.numel() for p in set(model.parameters()))
+        self.data = data = build_data(config, self.tokenizer)
+        if run.is_main:
+            if announce:
+                print(
+                    f"spinwheel sft: {config.model} ({num_params / 1e6:.2f}M parameters) on "
+                    f"{config.data or 'the built-in arithmetic task'}: {len(data.train)} train / {len(data.eval)} "
+                    f"held-out examples; {config.steps} steps of {config.batch_size}; writing {run.out_dir}/",
+                    flush=True,
+                )
+            run.announce_resume()
+            if data.num_dropped:
+                print(f"dropped {data.num_dropped} examples longer than --max-seq-len {config.max_seq_len}", flush=True)
+        self.learner = make_learner(model)
+        if run.state is not None:
+            self.learner.load(run.ckpt_dir, run.state)
+        run.open_log(self.learner.is_main)
+        if not run.resumed:
+            run.log(
+                dict(step=0, num_params=num_params, num_train=len(data.train), num_eval=len(data.eval),
+                     num_dropped=data.num_dropped)
+            )  # fmt: skip
+        self.generate_fn = self._generate_fn()
+        model.train()
+        self.t0, self.tokens = time.perf_counter(), 0.0
 
-    def run_eval(step: int) -> dict[str, Any] | None:
-        learner.sync_engine_model()  # collective under torchrun: every rank calls it, rank 0 evaluates
-        if generate_fn is None:
+    def _generate_fn(self) -> Generate | None:
+        config, learner, data = self.config, self.learner, self.data
+        if not (learner.is_main and learner.engine_model is not None and data.eval):
             return None
-        ev = heldout_eval(generate_fn, data, config.eval_examples, config.max_new_tokens)
-        log({"step": step, "eval_exact_match": ev["exact_match"]})
-        if on_eval is not None:
-            on_eval(step, ev)
+        longest = max(len(e.prompt_ids) for e in data.eval)
+        if config.eval_engine:
+            return engine_generate(learner.engine_model, self.tokenizer, longest + config.max_new_tokens + 1)
+        return plain_generate(learner.engine_model, self.tokenizer)
+
+    def step(self, step: int) -> dict[str, Any]:
+        config, learner = self.config, self.learner
+        rows = batch_indices(step, config.batch_size, len(self.data.train), config.seed)
+        batch = collate([self.data.train[i] for i in rows], self.tokenizer.pad_id or 0)
+        batch = {k: v.to(config.device) for k, v in batch.items()}
+        lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
+        comm_before = learner.comm_metrics()
+        out = learner.train_step(trainer_batch(batch), nll_loss, lr)
+        self.tokens += float(batch["loss_mask"].sum())
+        return {
+            "loss": out.loss,
+            "lr": lr,
+            "grad_norm": out.grad_norm,
+            "completion_tokens_per_s": self.tokens / (time.perf_counter() - self.t0),
+            **metrics_since(learner.comm_metrics(), comm_before),  # the step's collectives (torchrun)
+        }
+
+    def evaluate(self, step: int) -> dict[str, Any] | None:
+        self.learner.sync_engine_model()  # collective under torchrun: every rank calls it, rank 0 evaluates
+        if self.generate_fn is None:
+            return None
+        ev = heldout_eval(self.generate_fn, self.data, self.config.eval_examples, self.config.max_new_tokens)
+        self.run.log({"step": step, "eval_exact_match": ev["exact_match"]})
+        if self.on_eval is not None:
+            self.on_eval(step, ev)
         return ev
 
-    if start_step == 0 and (ev := run_eval(0)) is not None:
-        result["eval_before"] = ev
-
-    def save(step: int) -> None:
-        learner.save(ckpt_dir, tokenizer, {"step": step, "config": dataclasses.asdict(config)})
-
-    end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
-    model.train()
-    losses: list[float] = []
-    bar = tqdm(
-        range(start_step, end_step),
-        total=config.steps,
-        initial=start_step,
-        disable=not (config.progress and learner.is_main),
-        desc="sft",
-        dynamic_ncols=True,
-        mininterval=1.0 if sys.stderr.isatty() else 10.0,
-    )  # logs (not a terminal) get a line per 10 s
-    t0, tokens = time.perf_counter(), 0.0
-    with StopOnSignal(learner.distributed) as stop:
-        for step in bar:
-            batch = collate(
-                [data.train[i] for i in batch_indices(step, config.batch_size, len(data.train), config.seed)],
-                tokenizer.pad_id or 0,
-            )
-            batch = {k: v.to(config.device) for k, v in batch.items()}
-            lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
-            comm_before = learner.comm_metrics()
-            out = learner.train_step(trainer_batch(batch), nll_loss, lr)
-            tokens += float(batch["loss_mask"].sum())
-            losses.append(out.loss)
-            log(
-                {
-                    "step": step + 1,
-                    "loss": out.loss,
-                    "lr": lr,
-                    "grad_norm": out.grad_norm,
-                    "completion_tokens_per_s": tokens / (time.perf_counter() - t0),
-                    **metrics_since(learner.comm_metrics(), comm_before),  # the step's collectives (torchrun)
-                }
-            )
-            bar.set_postfix(loss=f"{out.loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # drawn at mininterval
-            done = step + 1
-            if done < end_step and (signum := stop.agreed()) is not None:  # every rank stops after this step
-                bar.close()
-                save(done)
-                raise stop.interrupted(signum, done, ckpt_dir, learner.is_main, config.resume)
-            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
-                if (ev := run_eval(done)) is not None:
-                    bar.write(f"step {done}: held-out exact match {ev['exact_match']:.3f}")
-            if config.save_every and done % config.save_every == 0 and done < end_step:
-                save(done)
-    bar.close()
-    save(end_step)
-    result.update(losses=losses, end_step=end_step, checkpoint=str(ckpt_dir))
-    if end_step == config.steps and (ev := run_eval(end_step)) is not None:
-        result["eval_after"] = ev
-    if logger is not None:
-        plot_curves(
-            logger.read(),
-            out_dir / "curves.png",
-            [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
-            title=f"SFT {config.model}",
-        )
-    if announce and learner.is_main:
-        print(summary(result, data.eval, out_dir), flush=True)
-    return result
+    def save(self, ckpt_dir: Path, state: dict[str, Any]) -> None:
+        self.learner.save(ckpt_dir, self.tokenizer, state)
 
 
 def summary(result: dict[str, Any], eval_examples: list, out_dir: Path) -> str:
