@@ -13,16 +13,16 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from spinwheel.engine.beam_search import beam_step
 from spinwheel.engine.block_manager import BlockManager
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.isolation import RequestFailures, sample_isolated
 from spinwheel.engine.model_runner import ModelRunner, StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
-from spinwheel.engine.outputs import RequestOutput
+from spinwheel.engine.outputs import EngineStats, RequestOutput, StepInfo
 from spinwheel.engine.sampler import Sampler, SampleRow
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.scheduler import Scheduler
@@ -32,21 +32,6 @@ from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_usage: float  # fraction of device blocks held by sequences
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_cache_hit_rate: float
-    num_prompt_tokens: int  # computed prompt tokens (prefix-cache hits excluded)
-    num_generated_tokens: int
-    generation_tokens_per_s: float  # over the last few seconds of steps
 
 
 def _denormals_flushed() -> bool:
@@ -65,13 +50,6 @@ def flush_denormal(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_flush_denormal(False)
-
-
-@dataclass
-class StepInfo:
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    num_preempted: int
 
 
 class LLMEngine:
@@ -106,6 +84,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
+        self._failures = RequestFailures()  # requests that failed in the step being processed
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
@@ -218,20 +197,23 @@ class LLMEngine:
 
     def _process(self, out: SchedulerOutput, step: StepLogits) -> dict[str, SequenceGroup]:
         """Account the computed tokens, sample the rows that completed (forking parallel samples on their first
-        token), advance beam search; returns the groups that got a new token."""
+        token), advance beam search; returns the groups that got a new token. An exception in one request's part
+        fails that request only (:mod:`~spinwheel.engine.isolation`)."""
         touched: dict[str, SequenceGroup] = {}
         rows: list[SampleRow] = []
+        owners: list[SequenceGroup] = []  # the group of each sample row
         row_index: list[int] = []  # logits row of each sample row: n > 1 forks share one
         beam_groups: dict[str, SequenceGroup] = {}
-        eos_ids = self.eos_ids
+        eos_ids, failures = self.eos_ids, self._failures
         for s in out.scheduled:
             seq, group = s.seq, s.group
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-            if seq.seq_id in step.prompt_rows:
-                self.output_processor.record_prompt_logprobs(group, seq, step, s.num_new_tokens)
+            if seq.seq_id in step.prompt_rows and group not in failures:
+                with failures.guard(group, "prompt logprobs"):
+                    self.output_processor.record_prompt_logprobs(group, seq, step, s.num_new_tokens)
             seq.num_computed_tokens += s.num_new_tokens
-            if not s.completes:
+            if not s.completes or group in failures:
                 continue
             touched[group.request_id] = group
             logits_row = step.sample_rows[seq.seq_id]
@@ -239,23 +221,24 @@ class LLMEngine:
                 seq.pending_logprobs = torch.log_softmax(step.logits[logits_row], dim=-1)
                 beam_groups[group.request_id] = group
                 continue
-            stop_ids = sorted(eos_ids | set(group.params.stop_token_ids))
-            for t in [seq] if group.forked else self.scheduler.fork_samples(group, seq):
-                rows.append(SampleRow(t, group.params, stop_ids))
-                row_index.append(logits_row)
-        if rows:
-            logits = step.logits
-            if row_index != list(range(logits.shape[0])):  # n > 1 forks share a row; prompt rows are skipped
-                logits = logits[torch.tensor(row_index, device=logits.device)]
-            sampled = self.sampler(logits, rows)
-            check_stop = self.output_processor.check_stop
-            for row, token, lp, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
-                row.seq.append_token(token, lp, top)
-                check_stop(row.seq, row.params)
-            self.num_generated_tokens += len(rows)
-        num_beams = sum(self._beam_step(group) for group in beam_groups.values())
+            with failures.guard(group, "sampling"):
+                stop_ids = sorted(eos_ids | set(group.params.stop_token_ids))
+                for t in [seq] if group.forked else self.scheduler.fork_samples(group, seq):
+                    rows.append(SampleRow(t, group.params, stop_ids))
+                    owners.append(group)
+                    row_index.append(logits_row)
+        sampled = sample_isolated(self.sampler, step.logits, rows, owners, row_index, failures) if rows else []
+        for i, token, lp, top in sampled:
+            rows[i].seq.append_token(token, lp, top)
+            with failures.guard(owners[i], "the stop check"):
+                self.output_processor.check_stop(rows[i].seq, rows[i].params)
+        self.num_generated_tokens += len(sampled)
+        num_beams = 0
+        for group in beam_groups.values():
+            with failures.guard(group, "beam search"):
+                num_beams += self._beam_step(group)
         now = time.monotonic()
-        self._recent.append((now, len(rows) + num_beams))
+        self._recent.append((now, len(sampled) + num_beams))
         for group in touched.values():
             group.first_token_time = group.first_token_time or now
         return touched
@@ -288,6 +271,9 @@ class LLMEngine:
         """Free finished sequences; the groups touched this step (all of them with ``stream``) and those that
         finished, failed or were aborted."""
         self.last_step = StepInfo(out.num_decode_tokens, out.num_tokens - out.num_decode_tokens, out.num_preempted)
+        for group in self._failures.take():  # failed in this step: their blocks are freed now
+            self.scheduler.abort(group.request_id)
+            self._aborted.append(group)
         for group in out.failed + self._aborted + self.scheduler.free_finished():
             touched[group.request_id] = group
         self._aborted = []

@@ -32,3 +32,25 @@ class RequestOutput:
     error: str | None = None  # why a request finished with "error"
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token and finish times (monotonic)
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1 = top)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float  # fraction of device blocks held by sequences
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_prompt_tokens: int  # computed prompt tokens (prefix-cache hits excluded)
+    num_generated_tokens: int
+    generation_tokens_per_s: float  # over the last few seconds of steps
+
+
+@dataclass
+class StepInfo:
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_preempted: int

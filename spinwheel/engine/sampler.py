@@ -78,10 +78,11 @@ def seeded_exponential(seeds: list[int], indices: list[int], positions: list[int
 
 
 def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, float]:
-    """{token: logprob} for the top ``k`` tokens of one row plus the chosen one."""
+    """{token: logprob} for the top ``k`` tokens of one row (all of them when ``k`` exceeds the vocabulary) plus
+    the chosen one."""
     out = {token_id: float(logprobs[token_id])}
     if k > 0:
-        values, ids = logprobs.topk(k)
+        values, ids = logprobs.topk(min(k, logprobs.shape[-1]))
         for i, lp in zip(ids.tolist(), values.tolist()):
             out.setdefault(i, lp)
     return out

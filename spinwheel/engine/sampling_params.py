@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# |length_penalty| at most: length ** length_penalty stays a finite, non-zero float for any context length (up to
+# 2^31 tokens: 2^±310), so beam scores never overflow or divide by zero. Usual values are 0 to 2.
+MAX_LENGTH_PENALTY = 10.0
 
 
 class SamplingParamsError(ValueError):
@@ -58,7 +63,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
         # Range checks are written so that NaN fails them (NaN compares false to everything).
-        _check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        _check(
+            self.temperature >= 0 and math.isfinite(self.temperature),
+            "temperature",
+            f"temperature must be a finite number >= 0, got {self.temperature}",
+        )
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check(
             isinstance(self.top_k, int) and self.top_k >= -1,
@@ -67,9 +76,9 @@ class SamplingParams:
         )
         _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check(
-            self.repetition_penalty > 0,
+            self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
             "repetition_penalty",
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             _check(-2 <= getattr(self, name) <= 2, name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -90,6 +99,24 @@ class SamplingParams:
                 name,
                 f"{name} must be None or an integer >= 0, got {value!r}",
             )
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        for token, bias in (self.logit_bias or {}).items():
+            _check(
+                isinstance(token, int) and token >= 0,
+                "logit_bias",
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
+            )
+            _check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """Beam search's own settings, and the sampling settings it cannot take."""
+        _check(
+            -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY,
+            "length_penalty",
+            f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (beam scores are "
+            f"sum of log-probs / length ** length_penalty; 0 to 2 is usual), got {self.length_penalty}",
+        )
         _check(
             self.early_stopping in (True, False, "never"),
             "early_stopping",
@@ -100,30 +127,23 @@ class SamplingParams:
             "temperature",
             "beam search is deterministic: leave temperature at its default",
         )
-        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
-        for token, bias in (self.logit_bias or {}).items():
-            _check(
-                isinstance(token, int) and token >= 0,
-                "logit_bias",
-                f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
-            )
-            _check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
-        if self.use_beam_search:
-            used = {
-                "logit_bias": bool(self.logit_bias),
-                "repetition_penalty": self.repetition_penalty != 1.0,
-                "presence_penalty": self.presence_penalty != 0,
-                "frequency_penalty": self.frequency_penalty != 0,
-                "top_p": self.top_p < 1,
-                "top_k": self.top_k > 0,
-                "min_p": self.min_p > 0,
-            }
-            names = [name for name, on in used.items() if on]
-            _check(
-                not names,
-                names[0] if names else "",
-                f"beam search ranks hypotheses by the model's raw log-probs: {', '.join(names)} cannot apply to it",
-            )
+        if not self.use_beam_search:
+            return
+        used = {
+            "logit_bias": bool(self.logit_bias),
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "top_p": self.top_p < 1,
+            "top_k": self.top_k > 0,
+            "min_p": self.min_p > 0,
+        }
+        names = [name for name, on in used.items() if on]
+        _check(
+            not names,
+            names[0] if names else "",
+            f"beam search ranks hypotheses by the model's raw log-probs: {', '.join(names)} cannot apply to it",
+        )
 
     @property
     def greedy(self) -> bool:

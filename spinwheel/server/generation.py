@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from spinwheel.engine import RequestOutput, SamplingParams
+from spinwheel.engine.isolation import INTERNAL_ERROR
 from spinwheel.server.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from spinwheel.server.protocol import APIError
 
@@ -68,7 +69,9 @@ async def run(
                 raise _api_error(item)
             if item.finished:
                 done.add(i)
-                if item.error:
+                if item.error:  # the engine refused the request (400), or failed on it alone (500)
+                    if item.error.startswith(INTERNAL_ERROR):
+                        raise APIError(500, item.error, type="server_error")
                     raise APIError(400, item.error)
             yield i, item
     finally:

@@ -1,0 +1,129 @@
+"""One request, one failure (issue 28, item 1): an exception raised while the engine step processes one request —
+its beam-search step, its sampling parameters, its stop check, its prompt logprobs — finishes that request with
+"error" and frees its blocks; the other requests in the same steps finish with exactly the tokens they get alone.
+Before the fix the exception left ``LLMEngine.step`` and the server failed every request in flight."""
+
+import math
+
+import pytest
+
+import spinwheel
+from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
+from spinwheel.engine.isolation import INTERNAL_ERROR
+from spinwheel.engine.sampling_params import SamplingParamsError
+
+
+def _engine(**config) -> LLMEngine:
+    model = spinwheel.load_model("test", vocab_size=100, seed=5)
+    return LLMEngine(model, spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=96, block_size=4, **config))
+
+
+# The bystanders: greedy, seeded sampling with n=2 and logprobs, and a beam search; their tokens must not depend
+# on what else runs.
+NORMAL = {
+    "greedy": ("12+34=", lambda: SamplingParams(max_tokens=12, temperature=0)),
+    "seeded": ("hello", lambda: SamplingParams(max_tokens=10, n=2, seed=7, logprobs=2, temperature=0.9)),
+    "beams": ("The quick", lambda: SamplingParams(max_tokens=8, n=2, use_beam_search=True)),
+}
+
+
+def _poison(kind: str) -> SamplingParams:
+    """Parameters that raise inside the step, set after construction so that SamplingParams' checks are bypassed
+    (what a future bug or an unchecked path would let through)."""
+    if kind == "beam search":
+        params = SamplingParams(max_tokens=8, n=2, use_beam_search=True)
+        params.length_penalty = 700.0  # OverflowError in the beam score
+    elif kind == "sampling":
+        params = SamplingParams(max_tokens=8, temperature=0.8, seed=1)
+        params.logit_bias = {5: "boom"}  # not a number: the batched sampler raises building its bias tensor
+    elif kind == "prompt logprobs":
+        params = SamplingParams(max_tokens=8, prompt_logprobs=1)
+        params.prompt_logprobs = "3"  # not an int: comparing it raises
+    else:
+        params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[5])
+    return params
+
+
+def _run(engine: LLMEngine, poison: str | None) -> dict:
+    for rid, (prompt, make) in NORMAL.items():
+        engine.add_request(rid, prompt, make())
+    if poison is not None:
+        engine.add_request("poisoned", "hi there", _poison(poison))
+    final = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return final
+
+
+@pytest.mark.parametrize("kind", ["beam search", "sampling", "prompt logprobs", "the stop check"])
+def test_a_request_that_raises_fails_alone(kind, monkeypatch):
+    alone = _run(_engine(), None)
+    engine = _engine()
+    if kind == "the stop check":  # a stop check that raises for one request only
+        check = engine.output_processor.check_stop
+
+        def check_stop(seq, params):
+            if params.stop_token_ids == [5]:
+                raise RuntimeError("stop check exploded")
+            check(seq, params)
+
+        monkeypatch.setattr(engine.output_processor, "check_stop", check_stop)
+    final = _run(engine, kind)
+    bad = final.pop("poisoned")
+    assert bad.error is not None and bad.error.startswith(INTERNAL_ERROR) and kind in bad.error, bad.error
+    assert {c.finish_reason for c in bad.outputs} == {"error"}
+    assert set(final) == set(NORMAL)
+    for rid, out in final.items():
+        assert out.error is None
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone[rid].outputs], rid
+        assert [c.cumulative_logprob for c in out.outputs] == pytest.approx(
+            [c.cumulative_logprob for c in alone[rid].outputs], abs=1e-5
+        )
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and not bm.block_tables and not bm.cpu_block_tables
+    # the engine serves on: a request after the failure runs as it would alone
+    prompt, make = NORMAL["greedy"]
+    engine.add_request("after", prompt, make())
+    (after,) = [o for _ in range(50) for o in engine.step() if o.finished]
+    assert after.outputs[0].token_ids == alone["greedy"].outputs[0].token_ids
+
+
+def test_two_failing_requests_in_one_batched_sampler_call_fail_alone():
+    """The batched sampler call raises; per-request calls find both culprits and sample the rest."""
+    engine = _engine()
+    for rid, (prompt, make) in NORMAL.items():
+        engine.add_request(rid, prompt, make())
+    for rid in ("bad1", "bad2"):
+        engine.add_request(rid, "hi", _poison("sampling"))
+    final = {o.request_id: o for _ in range(500) for o in engine.step() if o.finished}
+    assert final["bad1"].error and final["bad2"].error
+    assert all(final[rid].error is None for rid in NORMAL)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("value", [700.0, 1e308, -math.inf, math.inf, math.nan, -700.0, 10.5])
+def test_sampling_params_refuse_an_unbounded_length_penalty(value):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(n=2, use_beam_search=True, length_penalty=value)
+    assert e.value.param == "length_penalty" and "[-10, 10]" in str(e.value)
+    SamplingParams(n=2, use_beam_search=True, length_penalty=-10.0)  # the bounds themselves are fine
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+def test_sampling_params_refuse_infinite_values(name):
+    with pytest.raises(SamplingParamsError, match="finite"):
+        SamplingParams(**{name: math.inf})
+
+
+def test_logprobs_above_the_vocabulary_mean_all_of_it():
+    """``logprobs`` / ``prompt_logprobs`` larger than the vocabulary used to raise inside the step (topk)."""
+    engine = _engine()
+    engine.add_request("r", "hi", SamplingParams(max_tokens=2, temperature=0, logprobs=1000, prompt_logprobs=1000))
+    (out,) = [o for _ in range(20) for o in engine.step() if o.finished]
+    assert out.error is None
+    assert len(out.outputs[0].logprobs[0]) == 100 and len(out.prompt_logprobs[1]) == 100
