@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from spinwheel.config import add_arguments, from_args
 from spinwheel.tasks import ArithmeticConfig, ArithmeticTask, Example, evaluate, extract_answer, reward
+from spinwheel.tasks.arithmetic import canonical_integer
 
 PROMPT = re.compile(r"^(\d+)([+\-*])(\d+)=$")
 
@@ -197,6 +198,22 @@ def test_reward_rejects_non_integer_answer():
 def test_reward_of_any_integer_after_text(n, prefix):
     assert reward(f"{prefix} {n}", str(n)) == 1.0
     assert reward(f"{prefix} {n + 1}", str(n)) == 0.0
+
+
+def test_reward_compares_integers_past_the_digit_limit():
+    """int() refuses more than 4300 digits: a long answer or completion is compared, never a crash mid-run."""
+    long = "9" * 5000
+    assert reward(f"it is {long}", "00" + long) == 1.0
+    assert reward(long + "8", long) == 0.0
+    assert reward(long, "12") == 0.0
+    with pytest.raises(ValueError, match=r"got answer '9{40}\.\.\. \(5001 characters\)'"):
+        reward("1", long + "x")
+
+
+@given(st.integers(-(10**30), 10**30), st.sampled_from(["", "0", "00"]), st.sampled_from(["", "+", " ", " +"]))
+def test_canonical_integer_is_int_as_text(n, zeros, before):
+    text = ("-" if n < 0 else before) + zeros + str(abs(n)) + " "
+    assert canonical_integer(text) == str(int(text)) == str(n)
 
 
 # --- evaluate ------------------------------------------------------------------------------------------------------
