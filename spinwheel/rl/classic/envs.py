@@ -35,6 +35,22 @@ def make_env(env_id: str) -> gym.Env:
             f"unknown gymnasium environment {env_id!r}: {e} (list the ids with "
             "python -c 'import gymnasium; gymnasium.pprint_registry()')"
         ) from e
+    except ImportError as e:  # a module the environment imports itself, e.g. imageio beside a bare `pip install mujoco`
+        missing = e.name or str(e)
+        if _is_mujoco(env_id):
+            raise ValueError(
+                f"{env_id} needs the MuJoCo extra ({missing} is not installed); run {MUJOCO_INSTALL}"
+            ) from e
+        raise ValueError(f"{env_id} needs a package that is not installed: {missing} ({e})") from e
+
+
+def _is_mujoco(env_id: str) -> bool:
+    """Whether gymnasium registers ``env_id`` as one of its MuJoCo environments."""
+    try:
+        entry_point = gym.spec(env_id).entry_point
+    except gym.error.Error:
+        return False
+    return isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco")
 
 
 class RunningMeanStd:
