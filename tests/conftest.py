@@ -1,7 +1,11 @@
+"""Fixtures shared by several test modules (plain helpers are in ``helpers.py``). Session-scoped ones are built once
+per run: nothing a test does changes them."""
+
 import os
 
 import pytest
 import torch
+from helpers import REWARD_MODULE, TINY_LLAMA_EOS, TINY_LLAMA_VOCAB, reference
 
 # Tests are small; one thread each avoids oversubscribing the 2-core CI machine.
 torch.set_num_threads(int(os.environ.get("SPINWHEEL_TEST_THREADS", "1")))
@@ -12,18 +16,45 @@ def _seed():
     torch.manual_seed(0)
 
 
-def tiny_engine_model(max_position_embeddings: int):
-    """The engine tests' model: 2 layers, grouped-query attention (4 heads on 2 KV heads), vocab 100, EOS 2."""
-    from spinwheel.models import ModelConfig, Transformer
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A random tiny HF Llama (2 layers, GQA 4 on 2, vocab 96, EOS 2) saved as an HF checkpoint: (path, model).
+    Its weights are spread wider than the default init so next-token distributions stay away from near-ties.
+    Tests never move, cast or train the model."""
+    import transformers  # the reference implementation (a test dependency)
 
-    cfg = ModelConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=TINY_LLAMA_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        eos_token_id=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=TINY_LLAMA_EOS,
+        pad_token_id=0,
     )
-    return Transformer(cfg).init_weights(seed=0, std=0.1)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # a larger init spreads the next-token distribution away from near-ties
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="session")
+def fidelity_refs():
+    """The parallel fidelity oracle: single-process training for (tied, clip) in each combination."""
+    return {(tied, clip): reference(tied, clip) for tied in (False, True) for clip in (False, True)}
+
+
+@pytest.fixture
+def digit_reward(tmp_path, monkeypatch):
+    """The RL tests' reward module ``rl_test_reward:digits`` on this process's path and on spawned ranks'."""
+    (tmp_path / "rl_test_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from helpers import TINY_LLAMA_EOS, TINY_LLAMA_VOCAB
 
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.engine.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, paged_attention
@@ -18,24 +19,23 @@ from spinwheel.models.transformer import SDPAAttention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-from test_engine_hf import EOS, VOCAB, checkpoint  # noqa: E402,F401  (the same tiny HF Llama checkpoint)
-
 
 def _hf(path, dtype=torch.float32):
-    """A fresh HF model from the checkpoint on the GPU (the fixture's CPU copy is never moved or cast)."""
+    """A fresh HF model from the `tiny_llama` checkpoint (conftest.py) on the GPU (the fixture's CPU copy is never
+    moved or cast)."""
     return transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
 
 
 def _prompts():
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 4, 9, 16, 23, 31, 40, 64)]
+    return [torch.randint(3, TINY_LLAMA_VOCAB, (n,), generator=g).tolist() for n in (1, 4, 9, 16, 23, 31, 40, 64)]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
-def test_model_logits_match_hf_on_cuda(checkpoint, dtype, tol):
-    path, _ = checkpoint
+def test_model_logits_match_hf_on_cuda(tiny_llama, dtype, tol):
+    path, _ = tiny_llama
     ours = load_model(path, dtype=dtype, device="cuda")
-    ids = torch.randint(3, VOCAB, (3, 40), device="cuda")
+    ids = torch.randint(3, TINY_LLAMA_VOCAB, (3, 40), device="cuda")
     with torch.no_grad():
         want = _hf(path, dtype)(ids).logits.float()
         got = ours(ids).float()
@@ -92,7 +92,7 @@ def _hf_greedy(hf, prompt, max_new=16):
         max_new_tokens=max_new,
         do_sample=False,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
-        eos_token_id=EOS,
+        eos_token_id=TINY_LLAMA_EOS,
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
@@ -103,8 +103,8 @@ def _hf_greedy(hf, prompt, max_new=16):
     [dict(), dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", num_cpu_blocks=64)],
     ids=["default", "swap"],
 )
-def test_engine_greedy_matches_hf_on_cuda(checkpoint, config):
-    path, _ = checkpoint
+def test_engine_greedy_matches_hf_on_cuda(tiny_llama, config):
+    path, _ = tiny_llama
     prompts = _prompts()
     hf = _hf(path)
     with torch.no_grad():
@@ -115,8 +115,8 @@ def test_engine_greedy_matches_hf_on_cuda(checkpoint, config):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_engine_bf16_prompt_logprobs_match_hf_on_cuda(checkpoint):
-    path, _ = checkpoint
+def test_engine_bf16_prompt_logprobs_match_hf_on_cuda(tiny_llama):
+    path, _ = tiny_llama
     prompt = _prompts()[-1]
     llm = LLM(str(path), device="cuda", dtype="bfloat16")
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]

@@ -6,6 +6,7 @@ whole text decoded after every token cuts it, also when they straddle tokens and
 vLLM); and the engine decodes O(new tokens) per step, not the whole output again."""
 
 import pytest
+from helpers import long_context_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
@@ -151,10 +152,8 @@ class _CountingTokenizer(Tokenizer):
 def test_the_engine_decodes_only_the_new_tokens_of_each_step(stream):
     """300 tokens with a stop string that never hits: the engine decodes O(t) ids in all, not O(t^2) (the whole
     output again every step is 45,150 ids)."""
-    from test_server_hostile import _long_context_model
-
     tok = _CountingTokenizer()
-    engine = LLMEngine(_long_context_model(), tok, EngineConfig(num_kv_blocks=256))
+    engine = LLMEngine(long_context_model(), tok, EngineConfig(num_kv_blocks=256))
     engine.add_request("r", [1, 5, 6], SamplingParams(max_tokens=300, ignore_eos=True, stop=["\x00"], temperature=0))
     outs = []
     while engine.has_unfinished_requests():

@@ -3,38 +3,13 @@ greedy (plain, forced preemption by recompute and by swap, chunked prefill, pref
 
 import pytest
 import torch
-import transformers  # the reference implementation (a test dependency)
+from helpers import TINY_LLAMA_EOS, TINY_LLAMA_VOCAB
 
 from spinwheel.engine import LLM, SamplingParams  # noqa: E402
 from spinwheel.engine.cpu_kernels import load_kernels  # noqa: E402
 
-VOCAB, EOS = 96, 2
+VOCAB, EOS = TINY_LLAMA_VOCAB, TINY_LLAMA_EOS  # the `tiny_llama` checkpoint's (conftest.py)
 MAX_NEW = 20
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # a larger init spreads the next-token distribution away from near-ties
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(path)
-    return path, hf
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +32,8 @@ def _hf_greedy(hf, prompt, max_new=MAX_NEW):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(checkpoint, prompts):
-    _, hf = checkpoint
+def hf_greedy(tiny_llama, prompts):
+    _, hf = tiny_llama
     with torch.no_grad():
         return [_hf_greedy(hf, p) for p in prompts]
 
@@ -80,8 +55,8 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_matches_hf(checkpoint, prompts, hf_greedy, name):
-    path, _ = checkpoint
+def test_greedy_matches_hf(tiny_llama, prompts, hf_greedy, name):
+    path, _ = tiny_llama
     llm = LLM(str(path), **CONFIGS[name])
     # decodes run in the fused CPU kernel wherever it builds (fp32 on the CPU), so these tests cover it end to end
     assert llm.engine.runner.fused_decode == (load_kernels() is not None)
@@ -100,10 +75,10 @@ def test_greedy_matches_hf(checkpoint, prompts, hf_greedy, name):
 
 
 @pytest.mark.parametrize("name", ["recompute", "swap"])
-def test_greedy_parallel_samples_match_hf_under_preemption(checkpoint, prompts, hf_greedy, name):
+def test_greedy_parallel_samples_match_hf_under_preemption(tiny_llama, prompts, hf_greedy, name):
     # n = 3 greedy samples on a pool that forces preemption; without the prefix cache a recomputed group computes
     # its shared prompt once (one sequence) and the other two share it again
-    path, _ = checkpoint
+    path, _ = tiny_llama
     llm = LLM(str(path), **CONFIGS[name], enable_prefix_caching=False)
     outs = llm.generate(prompts[:8], SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW))
     for i, out in enumerate(outs):
@@ -114,8 +89,8 @@ def test_greedy_parallel_samples_match_hf_under_preemption(checkpoint, prompts, 
     llm.engine.block_manager.check_invariants()
 
 
-def test_greedy_with_prefix_caching_matches_hf(checkpoint):
-    path, hf = checkpoint
+def test_greedy_with_prefix_caching_matches_hf(tiny_llama):
+    path, hf = tiny_llama
     g = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, VOCAB, (37,), generator=g).tolist()
     prompts = [prefix + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in range(1, 17)]
@@ -157,8 +132,8 @@ def _trim(ids, eos):
         dict(length_penalty=2.0, early_stopping="never"),
     ],
 )
-def test_beam_search_matches_hf(checkpoint, prompts, hf_greedy, kw):
-    path, hf = checkpoint
+def test_beam_search_matches_hf(tiny_llama, prompts, hf_greedy, kw):
+    path, hf = tiny_llama
     # make EOS a token the model actually likes, so hypotheses finish at different lengths
     counts = torch.bincount(torch.tensor([t for h in hf_greedy for t in h]), minlength=VOCAB)
     eos = int(counts.argmax())
@@ -180,8 +155,8 @@ def test_beam_search_matches_hf(checkpoint, prompts, hf_greedy, kw):
     llm.engine.block_manager.check_invariants()
 
 
-def test_request_that_can_never_fit_finishes_with_error(checkpoint):
-    path, _ = checkpoint
+def test_request_that_can_never_fit_finishes_with_error(tiny_llama):
+    path, _ = tiny_llama
     llm = LLM(str(path), block_size=4, num_kv_blocks=8, max_model_len=128)
     outs = llm.generate(
         [[5] * 20, [5] * 100, [6] * 4],
@@ -192,12 +167,12 @@ def test_request_that_can_never_fit_finishes_with_error(checkpoint):
     assert outs[2].outputs[0].finish_reason == "length" and len(outs[2].outputs[0].token_ids) == 4
 
 
-def test_greedy_matches_hf_with_many_decode_buckets(checkpoint, prompts, hf_greedy, monkeypatch):
+def test_greedy_matches_hf_with_many_decode_buckets(tiny_llama, prompts, hf_greedy, monkeypatch):
     from spinwheel.engine import model_runner
 
     monkeypatch.setattr(model_runner, "DECODE_BUCKET_BYTES", 2 * 2 * 16 * 4 * 40)  # ~40 tokens per bucket
     monkeypatch.setattr(model_runner, "load_kernels", lambda: None)  # the PyTorch path, not the C kernel
-    path, _ = checkpoint
+    path, _ = tiny_llama
     llm = LLM(str(path), block_size=4)
     assert not llm.engine.runner.fused_decode
     assert len(llm.engine.runner._decode_buckets([10, 20, 30, 40, 50])) > 2

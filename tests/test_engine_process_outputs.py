@@ -14,9 +14,7 @@ import pickle
 
 import httpx
 import pytest
-from test_server import MODEL, _model
-from test_server_engine_process import _spec, _wait_engine_idle
-from test_server_hostile import _eventually, _long_context_model
+from helpers import MODEL, engine_spec, eventually, long_context_model, server_model, wait_engine_idle
 
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -31,19 +29,19 @@ BOS, EOS = TOK.bos_id, TOK.eos_id
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(_model(), TOK, num_kv_blocks=96, block_size=4)
+    return LLM(server_model(), TOK, num_kv_blocks=96, block_size=4)
 
 
 @pytest.fixture(scope="module")
 def process():
-    ep = EngineProcess(_spec())
+    ep = EngineProcess(engine_spec())
     yield ep
     ep.shutdown()
 
 
 @pytest.fixture(scope="module")
 def thread():
-    ae = AsyncEngine(LLMEngine(_model(), TOK, EngineConfig(num_kv_blocks=96, block_size=4)))
+    ae = AsyncEngine(LLMEngine(server_model(), TOK, EngineConfig(num_kv_blocks=96, block_size=4)))
     yield ae
     ae.shutdown()
 
@@ -136,14 +134,14 @@ def test_a_stop_string_in_the_api_process_frees_the_request_in_the_engine(proces
     params = SamplingParams(max_tokens=120, ignore_eos=True, seed=1, stop=["a", "b", "c", "d"])
     ((out,),) = [s[-1:] for s in asyncio.run(_run(process, [("zz", params)]))]
     assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) < 60
-    _wait_engine_idle(process)
+    wait_engine_idle(process)
     assert process.snapshot().num_used_blocks == 0
     # at most a few steps run on before the abort arrives
     assert process.stats().num_generated_tokens - tokens_before < len(out.outputs[0].token_ids) + 20
     n3 = SamplingParams(n=3, max_tokens=60, ignore_eos=True, seed=3, stop=["q"])
     (stream,) = asyncio.run(_run(process, [("zz", n3)]))
     assert "stop" in {c.finish_reason for c in stream[-1].outputs}
-    _wait_engine_idle(process)
+    wait_engine_idle(process)
     assert process.snapshot().num_used_blocks == 0 and process.snapshot().num_block_tables == 0
 
 
@@ -157,8 +155,8 @@ def test_deltas_rebuild_the_engines_outputs_exactly_and_stay_small():
     stop / abort commands go back to it: sampling with n = 3, stop strings and logprobs, prompt logprobs, beam
     search (whose beams change under it). A delta holds the step's new tokens and no text."""
     tok = spinwheel.Tokenizer.char_level()
-    reference = LLMEngine(_long_context_model(), tok, EngineConfig(num_kv_blocks=256))
-    engine = LLMEngine(_long_context_model(), tok, EngineConfig(num_kv_blocks=256))
+    reference = LLMEngine(long_context_model(), tok, EngineConfig(num_kv_blocks=256))
+    engine = LLMEngine(long_context_model(), tok, EngineConfig(num_kv_blocks=256))
     engine.output_processor.tokenizer = None  # as EngineSpec.build leaves it
     encoder, decoder = DeltaEncoder(engine.output_processor), DeltaDecoder(tok)
     requests = {
@@ -210,7 +208,7 @@ def test_deltas_rebuild_the_engines_outputs_exactly_and_stay_small():
 def test_a_failure_handling_the_engines_output_fails_the_requests_and_restarts_the_engine():
     """A bug in the API process's handling of a step (here: the decoder raises) fails the requests in flight with
     an error and restarts the engine process; it never leaves them waiting."""
-    ep = EngineProcess(_spec(), max_restarts=1)
+    ep = EngineProcess(engine_spec(), max_restarts=1)
 
     def broken(delta):
         raise RuntimeError("injected decoder fault")
@@ -222,7 +220,7 @@ def test_a_failure_handling_the_engines_output_fails_the_requests_and_restarts_t
         ep._decoder.decode = broken
         with pytest.raises(EngineDeadError, match="injected decoder fault"):
             asyncio.run(asyncio.wait_for(generate(), 60))
-        _eventually(lambda: ep.alive, 60)
+        eventually(lambda: ep.alive, 60)
         assert ep.num_restarts == 1 and asyncio.run(generate())[-1].outputs[0].finish_reason == "length"
     finally:
         ep.shutdown()
@@ -267,7 +265,7 @@ def test_http_responses_are_the_same_in_both_modes_streamed_or_not(offline):
     results = {}
     for mode in ("process", "thread"):
         config = EngineConfig(num_kv_blocks=96, block_size=4)
-        engine = EngineProcess(_spec()) if mode == "process" else LLMEngine(_model(), TOK, config)
+        engine = EngineProcess(engine_spec()) if mode == "process" else LLMEngine(server_model(), TOK, config)
         with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
             url = bs.url + "/v1/completions"
             whole = [httpx.post(url, json={"model": MODEL, **b}, timeout=60).json() for b in bodies + whole_only]

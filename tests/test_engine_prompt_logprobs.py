@@ -5,36 +5,11 @@ cache)."""
 
 import pytest
 import torch
-import transformers  # the reference implementation (a test dependency)
+from helpers import TINY_LLAMA_EOS, TINY_LLAMA_VOCAB
 
 from spinwheel.engine import LLM, SamplingParams
 
-VOCAB, EOS, TOP = 96, 2, 3
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(path)
-    return path, hf
+VOCAB, EOS, TOP = TINY_LLAMA_VOCAB, TINY_LLAMA_EOS, 3  # the `tiny_llama` checkpoint's (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +49,8 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prompt_logprobs_equal_hf(checkpoint, prompts, name):
-    path, hf = checkpoint
+def test_prompt_logprobs_equal_hf(tiny_llama, prompts, name):
+    path, hf = tiny_llama
     llm = LLM(str(path), **CONFIGS[name])
     params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=TOP, ignore_eos=True)
     outs = llm.generate(prompts, params)
@@ -91,8 +66,8 @@ def test_prompt_logprobs_equal_hf(checkpoint, prompts, name):
     llm.engine.block_manager.check_invariants()
 
 
-def test_a_cached_prefix_still_gives_prompt_logprobs(checkpoint, prompts):
-    path, hf = checkpoint
+def test_a_cached_prefix_still_gives_prompt_logprobs(tiny_llama, prompts):
+    path, hf = tiny_llama
     llm = LLM(str(path), block_size=4)
     plain = SamplingParams(temperature=0, max_tokens=4)
     scored = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=TOP)
@@ -109,9 +84,9 @@ def test_a_cached_prefix_still_gives_prompt_logprobs(checkpoint, prompts):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[1:]]
 
 
-def test_prompt_logprobs_with_parallel_samples_and_beams(checkpoint, prompts):
+def test_prompt_logprobs_with_parallel_samples_and_beams(tiny_llama, prompts):
     # recorded once per request, before the samples (or beams) fork from the prompt sequence
-    path, hf = checkpoint
+    path, hf = tiny_llama
     llm = LLM(str(path), block_size=4)
     prompt = prompts[4]
     ref = _hf_logprobs(hf, prompt)

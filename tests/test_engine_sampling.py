@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_engine_model
+from helpers import tiny_engine_model
 
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.models import ModelConfig, Tokenizer, Transformer

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_engine_model
+from helpers import tiny_engine_model
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 

@@ -4,7 +4,7 @@ trace of it — no blocks, no cached prefixes, counters and the sampler's seed a
 import dataclasses
 
 import pytest
-from conftest import tiny_engine_model
+from helpers import tiny_engine_model
 
 from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
 from spinwheel.engine.warmup import warm_up, warmup_prompts

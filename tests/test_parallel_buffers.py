@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_layouts, run_layouts
 
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
@@ -192,11 +193,8 @@ CB_LAYOUTS_4 = [
 ]
 
 
-def test_cb_layouts_match_single_process():
-    from test_parallel_fidelity import _check, reference, run_layouts
-
-    refs = {(tied, clip): reference(tied, clip) for tied in (False, True) for clip in (False, True)}
-    _check(spawn(run_layouts, 4, args=(CB_LAYOUTS_4, refs), timeout_s=300), CB_LAYOUTS_4)
+def test_cb_layouts_match_single_process(fidelity_refs):
+    check_layouts(spawn(run_layouts, 4, args=(CB_LAYOUTS_4, fidelity_refs), timeout_s=300), CB_LAYOUTS_4)
 
 
 def zero2_grads(rank: int, world_size: int) -> list[list[tuple[int, int]]]:

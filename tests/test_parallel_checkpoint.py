@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parallel_fidelity import RTOL, batches, make_model, optimizer_factory, reference, rel_err
+from helpers import RTOL, batches, make_model, optimizer_factory, rel_err
 
 from spinwheel.models.hf import load_model
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
@@ -45,8 +45,8 @@ def resume_and_consolidate(rank: int, world_size: int, root: str, refs: dict) ->
     return out
 
 
-def test_sharded_resume_and_hf_consolidation(tmp_path):
-    refs = {False: reference(False), True: reference(True)}
+def test_sharded_resume_and_hf_consolidation(tmp_path, fidelity_refs):
+    refs = {tied: fidelity_refs[tied, False] for tied in (False, True)}
     results = spawn(resume_and_consolidate, 4, args=(str(tmp_path), refs), timeout_s=240)
     for name, _ in LAYOUTS:
         for rank, res in enumerate(results):

@@ -6,120 +6,17 @@ AdamW's decoupled weight decay on weight matrices only (``decays``) and global g
 small enough to clip every step; the global norms must equal ``torch.nn.utils.clip_grad_norm_``'s too.
 
 Layouts are grouped into two spawned gloo worlds (2 and 4 CPU ranks) so the suite stays short; each rank trains every
-layout of its world in turn and reports the largest relative errors, which the parent asserts.
+layout of its world in turn and reports the largest relative errors, which the parent asserts. The oracle
+(``reference``) and the per-rank runner (``run_layouts``) are in ``helpers.py``: the checkpoint and buffer tests use
+them too.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
+from helpers import MAX_NORM, check_layouts, run_layouts
 
-from spinwheel.models.presets import preset_config
-from spinwheel.models.transformer import Transformer
-from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
-from spinwheel.train.optim import ADAMW_BETAS, build_adamw, decays, lr_at
-
-STEPS = 10
-VOCAB, BATCH, SEQ = 64, 8, 12
-LR = 1e-3
-RTOL = 1e-5
-MAX_NORM = 0.5  # the gradient norm of these batches is ~1.2: every step clips
-WEIGHT_DECAY = 0.1
-
-
-def model_config(tied: bool):
-    return preset_config("test", VOCAB, num_hidden_layers=4, tie_word_embeddings=tied)
-
-
-def make_model(tied: bool) -> Transformer:
-    return Transformer(model_config(tied)).init_weights(seed=1)
-
-
-def optimizer_factory(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(2)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        mask = (torch.rand(BATCH, SEQ, generator=gen) > 0.3).float()  # uneven token counts per rank
-        out.append((ids, labels, mask))
-    return out
-
-
-def clip_optimizer_factory(params):
-    """The SFT recipe's AdamW with its decay left to the trainer (``weight_decay`` + ``decays``)."""
-    return torch.optim.AdamW(params, lr=LR, betas=ADAMW_BETAS, weight_decay=0.0)
-
-
-def scheduled_lr(step: int) -> float:
-    return lr_at(step, LR, warmup_steps=3, total_steps=STEPS, min_lr_ratio=0.1)
-
-
-def reference(tied: bool, clip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    """Single-process training: the oracle every layout is compared against. With ``clip``: the SFT recipe
-    (scheduled lr, weight decay on matrices only, gradient clipping at MAX_NORM). Returns losses, final parameters
-    and the gradient norms before clipping."""
-    model = make_model(tied)
-    opt = build_adamw(model, LR, WEIGHT_DECAY) if clip else optimizer_factory(list(model.parameters()))
-    losses, norms = [], []
-    for step, (ids, labels, mask) in enumerate(batches()):
-        if clip:
-            for group in opt.param_groups:
-                group["lr"] = scheduled_lr(step)
-        logits = model(ids)
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        loss = (ce * mask.flatten()).sum() / mask.sum()
-        loss.backward()
-        if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary")}
-    return losses, params, norms
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
-
-
-def run_layouts(rank: int, world_size: int, layouts: list[tuple[str, dict]], refs: dict) -> dict[str, tuple]:
-    results = {}
-    for name, kwargs in layouts:
-        kwargs = dict(kwargs)
-        tied, clip = kwargs.pop("tied", False), kwargs.pop("clip", False)
-        if clip:
-            trainer = ParallelTrainer(
-                make_model(tied),
-                clip_optimizer_factory,
-                ParallelConfig(**kwargs),
-                max_grad_norm=MAX_NORM,
-                weight_decay=WEIGHT_DECAY,
-                decays=decays,
-            )
-        else:
-            trainer = ParallelTrainer(make_model(tied), optimizer_factory, ParallelConfig(**kwargs))
-        losses, norms = [], []
-        for step, b in enumerate(batches()):
-            if clip:
-                trainer.set_lr(scheduled_lr(step))
-            losses.append(trainer.step(*b))
-            norms.append(trainer.grad_norm)
-        full = trainer.full_state_dict()
-        ref_losses, ref_params, ref_norms = refs[tied, clip]
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        missing = sorted(set(ref_params) - set(full))
-        param_err = max(rel_err(full[k], v) for k, v in ref_params.items() if k in full)
-        if clip:
-            loss_err = max([loss_err] + [abs(a - b) / b for a, b in zip(norms, ref_norms)])
-        results[name] = (loss_err, param_err, missing)
-    return results
-
+from spinwheel.parallel import spawn
 
 LAYOUTS_2 = [
     ("ddp", dict()),
@@ -177,28 +74,15 @@ LAYOUTS_4 = [
 
 
 @pytest.fixture(scope="module")
-def refs():
-    out = {(tied, clip): reference(tied, clip) for tied in (False, True) for clip in (False, True)}
-    assert all(n > MAX_NORM for tied in (False, True) for n in out[tied, True][2])  # clipping is active
-    return out
-
-
-def _check(results: list[dict], layouts) -> None:
-    failures = []
-    for name, _ in layouts:
-        for rank, res in enumerate(results):
-            loss_err, param_err, missing = res[name]
-            if loss_err > RTOL or param_err > RTOL or missing:
-                failures.append(
-                    f"{name} rank {rank}: loss rel err {loss_err:.2e}, param rel err {param_err:.2e}, missing {missing}"
-                )
-    assert not failures, "\n".join(failures)
+def refs(fidelity_refs):
+    assert all(n > MAX_NORM for tied in (False, True) for n in fidelity_refs[tied, True][2])  # clipping is active
+    return fidelity_refs
 
 
 @pytest.mark.parametrize("world_size,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
 def test_layouts_match_single_process(world_size, layouts, refs):
     results = spawn(run_layouts, world_size, args=(layouts, refs), timeout_s=240)
-    _check(results, layouts)
+    check_layouts(results, layouts)
 
 
 def test_world_size_one_is_the_same_code_path(refs):
@@ -210,4 +94,4 @@ def test_world_size_one_is_the_same_code_path(refs):
         ("zero1-clip", dict(zero=1, clip=True)),
         ("fsdp-tied-clip", dict(fsdp=True, tied=True, clip=True)),
     ]
-    _check([run_layouts(0, 1, layouts, refs)], layouts)
+    check_layouts([run_layouts(0, 1, layouts, refs)], layouts)

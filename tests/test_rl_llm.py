@@ -12,51 +12,18 @@ import time
 
 import pytest
 import torch
+from helpers import small_config
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel import spawn
-from spinwheel.rl.llm import RLConfig, train_rl
+from spinwheel.rl.llm import train_rl
 from spinwheel.rl.llm.rewards import RewardError, load_reward_fn, score
 from spinwheel.rl.llm.rollout import Prompt, Rollout, rollout_batch, sample_seed
-from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.metrics import read_metrics
 
 RTOL = 1e-5
-# A random model never answers arithmetic right; this reward (share of digits in the completion) varies within
-# groups from the first step, so every step has a gradient.
-REWARD_MODULE = (
-    "def digits(completions, answers):\n    return [sum(ch.isdigit() for ch in c) / 5 for c in completions]\n"
-)
-
-
-@pytest.fixture(autouse=True)
-def digit_reward(tmp_path, monkeypatch):
-    (tmp_path / "rl_test_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-
-
-def small_config(out_dir, **kw) -> RLConfig:
-    base = dict(
-        model="test",
-        out_dir=str(out_dir),
-        steps=5,
-        prompts_per_step=4,
-        group_size=4,
-        max_new_tokens=5,
-        reward="rl_test_reward:digits",
-        lr=3e-3,
-        beta=0.05,
-        eval_every=0,
-        eval_examples=8,
-        save_every=0,
-        progress=False,
-        num_threads=1,
-        task=ArithmeticConfig(num_digits=1, num_train=40, num_test=8),
-    )
-    base.update(kw)
-    return RLConfig(**base)
+pytestmark = pytest.mark.usefixtures("digit_reward")  # the reward module `rl_test_reward:digits` (helpers.py)
 
 
 def test_rollout_batch_layout():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_rl_llm import digit_reward, small_config  # noqa: F401  (the fixture gives every test its reward module)
+from helpers import small_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spinwheel.models.presets import preset_config
@@ -20,6 +20,7 @@ from spinwheel.train.learners import LocalLearner, ParallelLearner, local_output
 from spinwheel.train.metrics import read_metrics
 
 VOCAB, BATCH, SEQ = 48, 8, 9
+pytestmark = pytest.mark.usefixtures("digit_reward")  # the reward module `rl_test_reward:digits` (helpers.py)
 
 
 def make_model() -> Transformer:

@@ -11,22 +11,18 @@ import httpx
 import openai  # the official client (a test dependency)
 import pytest
 import torch
+from helpers import MODEL, all_blocks_free, server_model, wait_idle
 
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.server import BackgroundServer, OpenAIServer
 
-MODEL = "tiny-test"
 PROMPTS = ["12+34=", "hello", "a", "The quick brown fox jumps", "7*8="]
-
-
-def _model():
-    return spinwheel.load_model("test", vocab_size=100, seed=5)
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=96, block_size=4))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=96, block_size=4))
     with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
         yield bs
 
@@ -38,22 +34,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(_model(), spinwheel.Tokenizer.char_level(), num_kv_blocks=96, block_size=4)
-
-
-def _wait_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s.num_running == s.num_waiting == s.num_swapped == 0 and not engine.has_unfinished_requests():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"engine still busy: {engine.stats()}")
-
-
-def _all_blocks_free(engine: LLMEngine) -> bool:
-    bm = engine.block_manager
-    return bm.num_used_blocks == 0 and not bm.block_tables and not bm.cpu_block_tables
+    return LLM(server_model(), spinwheel.Tokenizer.char_level(), num_kv_blocks=96, block_size=4)
 
 
 def test_models_and_health(server, client):
@@ -150,7 +131,7 @@ def test_n_seed_stop_and_logprobs(client, offline):
 
 
 def test_auth_and_body_limit():
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
     with BackgroundServer(OpenAIServer(engine, MODEL, api_key="s3cret", max_body_bytes=2048)) as bs:
         body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 2}
         r = httpx.post(bs.url + "/v1/completions", json=body)
@@ -211,8 +192,8 @@ def test_concurrent_streams_with_disconnects_free_every_block(server):
             assert isinstance(results[i], tuple) and results[i][2], (i, results[i])
             assert results[i][1] >= 2  # the text arrived in several chunks
     engine = server.server.engine
-    _wait_idle(engine)
-    assert _all_blocks_free(engine), engine.block_manager.block_tables
+    wait_idle(engine)
+    assert all_blocks_free(engine), engine.block_manager.block_tables
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
@@ -308,8 +289,8 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server, client, o
     ref = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8))
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
     assert [c.text for c in resp.choices] == [r.outputs[0].text for r in ref]
-    _wait_idle(server.server.engine)
-    assert _all_blocks_free(server.server.engine)
+    wait_idle(server.server.engine)
+    assert all_blocks_free(server.server.engine)
 
 
 def test_metrics_are_prometheus_text(server, client):
@@ -333,7 +314,7 @@ def test_metrics_are_prometheus_text(server, client):
 
 
 def test_an_engine_failure_fails_only_the_requests_in_flight():
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
     real_step = engine.step
     calls = {"n": 0}
 
@@ -350,8 +331,8 @@ def test_an_engine_failure_fails_only_the_requests_in_flight():
         r = httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "prompt": "1+1=", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
         assert httpx.get(bs.url + "/health").json() == {"status": "ok"}
-        _wait_idle(engine)
-        assert _all_blocks_free(engine)
+        wait_idle(engine)
+        assert all_blocks_free(engine)
 
 
 def test_spinwheel_serve_command(tmp_path):

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from test_server import MODEL, _model
+from helpers import MODEL, server_model
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
@@ -136,7 +136,7 @@ def test_half_open_connections_neither_starve_requests_nor_exhaust_descriptors(s
 
 
 def test_connections_over_the_cap_evict_the_oldest_waiting_one_or_are_refused():
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
     limits = ServerLimits(max_connections=4, header_timeout_s=30)
     with BackgroundServer(OpenAIServer(engine, MODEL, limits=limits)) as bs:
         waiting = []
@@ -155,7 +155,7 @@ def test_connections_over_the_cap_evict_the_oldest_waiting_one_or_are_refused():
 
 
 def test_a_body_that_never_completes_gets_408():
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
     with BackgroundServer(OpenAIServer(engine, MODEL, limits=ServerLimits(body_timeout_s=0.5))) as bs:
         s = socket.create_connection((bs.host, bs.port))
         s.settimeout(10)
@@ -231,7 +231,7 @@ def _recv_all(sock: socket.socket) -> bytes:
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_header_timeout_answers_a_partial_head_and_closes_an_idle_keep_alive_one(http):
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
     limits = ServerLimits(header_timeout_s=0.5)
     with BackgroundServer(OpenAIServer(engine, MODEL, limits=limits), http=http) as bs:
         partial = socket.create_connection((bs.host, bs.port))
@@ -257,7 +257,7 @@ def test_header_timeout_answers_a_partial_head_and_closes_an_idle_keep_alive_one
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_a_request_head_that_outgrows_the_cap_gets_431(http):
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
     with BackgroundServer(OpenAIServer(engine, MODEL, limits=ServerLimits(max_header_kb=4)), http=http) as bs:
         s = socket.create_connection((bs.host, bs.port))
         s.settimeout(10)

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from helpers import MODEL, engine_spec, eventually, long_context_model, metric, server_model, wait_engine_idle
 from test_server import (  # noqa: F401 - imported tests run again here, against the engine process
-    MODEL,
     PROMPTS,
-    _model,
     test_chat_equals_offline_llm_on_the_rendered_template,
     test_greedy_completions_equal_offline_llm,
     test_metrics_are_prometheus_text,
@@ -35,7 +34,6 @@ from test_server_fields import (  # noqa: F401 - the request fields that reach t
     test_logit_bias_plus_100_forces_a_token,
     test_prompt_logprobs_as_vllm_returns_them,
 )
-from test_server_hostile import _eventually, _long_context_model, _metric
 from test_server_streaming import test_no_chunks_after_a_choice_finished  # noqa: F401
 
 import spinwheel
@@ -47,14 +45,9 @@ from spinwheel.server.engine_process import EngineSpec
 from spinwheel.server.limits import ServerLimits
 
 
-def _spec(model=None, **config) -> EngineSpec:
-    config = {"num_kv_blocks": 96, "block_size": 4, **config}
-    return EngineSpec(model or _model(), EngineConfig(**config), spinwheel.Tokenizer.char_level(), num_threads=1)
-
-
 @pytest.fixture(scope="module")
 def server():
-    with BackgroundServer(OpenAIServer(EngineProcess(_spec()), MODEL)) as bs:
+    with BackgroundServer(OpenAIServer(EngineProcess(engine_spec()), MODEL)) as bs:
         yield bs
 
 
@@ -67,23 +60,12 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def dense():
-    return _model()
+    return server_model()
 
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(_model(), spinwheel.Tokenizer.char_level(), num_kv_blocks=96, block_size=4)
-
-
-def _wait_engine_idle(ep: EngineProcess, timeout: float = 30.0) -> None:
-    """Until the engine process reports no request and no sequence holding blocks."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = ep.snapshot()
-        if not ep.has_unfinished_requests() and s.num_used_blocks == 0 and s.num_block_tables == 0:
-            return
-        assert time.monotonic() < deadline, f"engine process still busy: {s}"
-        time.sleep(0.05)
+    return LLM(server_model(), spinwheel.Tokenizer.char_level(), num_kv_blocks=96, block_size=4)
 
 
 def test_concurrent_streams_with_disconnects_free_every_block_in_the_engine_process(server):
@@ -119,7 +101,7 @@ def test_concurrent_streams_with_disconnects_free_every_block_in_the_engine_proc
     for i in range(32):
         assert results[i] == "disconnected" if i % 3 == 0 else results[i][0] == "done", (i, results[i])
     ep = server.server.engine
-    _wait_engine_idle(ep)
+    wait_engine_idle(ep)
     assert ep.stats().num_free_blocks == ep.stats().num_blocks == 96
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
@@ -127,7 +109,7 @@ def test_concurrent_streams_with_disconnects_free_every_block_in_the_engine_proc
 def test_a_stalled_reader_is_aborted_and_its_blocks_freed_in_the_engine_process():
     """A client that reads nothing of n = 4 x 1500 tokens is disconnected after the stall timeout; the abort
     frees its blocks in the engine process long before the request could have finished."""
-    ep = EngineProcess(_spec(_long_context_model(), num_kv_blocks=2048))
+    ep = EngineProcess(engine_spec(long_context_model(), num_kv_blocks=2048))
     limits = ServerLimits(stall_timeout_s=0.5, send_buffer_kb=16)
     with BackgroundServer(OpenAIServer(ep, MODEL, limits=limits)) as bs:
         body = json.dumps(
@@ -142,9 +124,9 @@ def test_a_stalled_reader_is_aborted_and_its_blocks_freed_in_the_engine_process(
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
         try:
-            _eventually(lambda: _metric(bs.url, 'spinwheel_connections_closed_total{reason="write_stall"}') == 1, 60)
-            _wait_engine_idle(ep)
-            _eventually(lambda: _metric(bs.url, 'spinwheel_requests_total{finished_reason="abort"}') == 1)
+            eventually(lambda: metric(bs.url, 'spinwheel_connections_closed_total{reason="write_stall"}') == 1, 60)
+            wait_engine_idle(ep)
+            eventually(lambda: metric(bs.url, 'spinwheel_requests_total{finished_reason="abort"}') == 1)
             assert 0 < ep.stats().num_generated_tokens < 4 * 1500 / 2
         finally:
             sock.close()
@@ -169,7 +151,7 @@ class _FlakySpec(EngineSpec):
 
 
 def test_a_failing_step_fails_only_its_requests():
-    spec = _spec(num_kv_blocks=32)
+    spec = engine_spec(num_kv_blocks=32)
     ep = EngineProcess(_FlakySpec(spec.model, spec.config, spec.tokenizer, 1))
     with BackgroundServer(OpenAIServer(ep, MODEL)) as bs:
         body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 3}
@@ -178,7 +160,7 @@ def test_a_failing_step_fails_only_its_requests():
         r = httpx.post(bs.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
         assert httpx.get(bs.url + "/health").json() == {"status": "ok"}
-        _wait_engine_idle(ep)
+        wait_engine_idle(ep)
 
 
 def test_an_engine_that_cannot_start_says_why():
@@ -196,8 +178,8 @@ def _stream_events(url: str, body: dict, started: threading.Event, out: list) ->
 
 def test_an_engine_process_killed_mid_stream_fails_its_requests_then_restarts_then_exits():
     gone: list[str] = []
-    model = _long_context_model()
-    ep = EngineProcess(_spec(model, num_kv_blocks=512), max_restarts=1, on_exit=gone.append)
+    model = long_context_model()
+    ep = EngineProcess(engine_spec(model, num_kv_blocks=512), max_restarts=1, on_exit=gone.append)
     long = {"model": MODEL, "prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
     with BackgroundServer(OpenAIServer(ep, MODEL)) as bs:
         events: list[list[str]] = [[] for _ in range(4)]
@@ -221,7 +203,7 @@ def test_an_engine_process_killed_mid_stream_fails_its_requests_then_restarts_th
         time.sleep(2.0)
         assert ep.seconds_without_progress() > 1.9
         os.kill(first_pid, signal.SIGCONT)
-        _eventually(lambda: ep.seconds_without_progress() < 0.5, 10)
+        eventually(lambda: ep.seconds_without_progress() < 0.5, 10)
         os.kill(first_pid, signal.SIGKILL)
         killed = time.monotonic()
         seen = set()
@@ -239,7 +221,7 @@ def test_an_engine_process_killed_mid_stream_fails_its_requests_then_restarts_th
         r = plain["r"]
         assert r.status_code == 503 and "SIGKILL" in r.json()["error"]["message"]
         # restarted: healthy again, another process, the same greedy output as the offline engine
-        _eventually(lambda: httpx.get(bs.url + "/health").status_code == 200, 120)
+        eventually(lambda: httpx.get(bs.url + "/health").status_code == 200, 120)
         assert ep.pid != first_pid and ep.num_restarts == 1
         ref = LLM(model, spinwheel.Tokenizer.char_level(), num_kv_blocks=512, block_size=4).generate(
             PROMPTS[0], SamplingParams(temperature=0, max_tokens=8)
@@ -250,7 +232,7 @@ def test_an_engine_process_killed_mid_stream_fails_its_requests_then_restarts_th
         )
         # killed again with no restart left: reported for good, requests refused at once
         os.kill(ep.pid, signal.SIGKILL)
-        _eventually(lambda: bool(gone), 10)
+        eventually(lambda: bool(gone), 10)
         assert "SIGKILL" in gone[0] and "1 restart(s) allowed" in gone[0]
         assert httpx.get(bs.url + "/health").status_code == 503
         t0 = time.monotonic()
@@ -272,7 +254,7 @@ def test_spinwheel_serve_exits_with_the_reason_when_its_engine_process_dies():
         line = lines[1]
         assert "engine process pid" in line, lines
         pid = int(line.split("engine process pid ")[1].split(";")[0])
-        _eventually(lambda: _healthy(port), 60)
+        eventually(lambda: _healthy(port), 60)
         os.kill(pid, signal.SIGKILL)
         assert proc.wait(60) == 1
         output = proc.stdout.read() if proc.stdout else ""

@@ -10,25 +10,18 @@ import time
 
 import httpx
 import pytest
-from test_server import MODEL, _all_blocks_free, _model, _wait_idle
+from helpers import MODEL, all_blocks_free, eventually, long_context_model, metric, server_model, wait_idle
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
-from spinwheel.models import Transformer
-from spinwheel.models.presets import preset_config
 from spinwheel.server import BackgroundServer, OpenAIServer
 from spinwheel.server.async_engine import AsyncEngine
 from spinwheel.server.limits import ServerLimits
 
 
-def _long_context_model(max_len: int = 2048) -> Transformer:
-    """The test preset with a long context, so that a request can run for thousands of steps."""
-    return Transformer(preset_config("test", 100, max_position_embeddings=max_len)).init_weights(5)
-
-
 def _engine(model=None, **config) -> LLMEngine:
     return LLMEngine(
-        model or _model(),
+        model or server_model(),
         spinwheel.Tokenizer.char_level(),
         EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, **config}),
     )
@@ -41,24 +34,6 @@ def server():
 
 
 AUTH = {"Authorization": "Bearer s3cret", "content-type": "application/json"}
-
-
-def _metric(url: str, name: str) -> float:
-    """Sum of a Prometheus sample (all label sets) from /metrics."""
-    text = httpx.get(url + "/metrics").text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + " ") or line.startswith(name + "{")
-    )
-
-
-def _eventually(check, timeout: float = 10.0) -> None:
-    """Wait for ``check()`` to hold (metrics are observed right after the step that made the engine idle)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def _assert_error_object(r: httpx.Response, status: int) -> dict:
@@ -135,7 +110,7 @@ def test_an_unexpected_exception_is_a_counted_500_error_object():
             return real_decode(ids, skip_special_tokens)
 
         tok.encode, tok.decode = encode, decode
-        before = _metric(bs.url, 'spinwheel_http_errors_total{status="500"}')
+        before = metric(bs.url, 'spinwheel_http_errors_total{status="500"}')
         r = httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 2})
         err = _assert_error_object(r, 500)
         assert err["type"] == "server_error" and "RuntimeError" in err["message"]
@@ -148,11 +123,11 @@ def test_an_unexpected_exception_is_a_counted_500_error_object():
             assert r.status_code == 200
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and "KeyError" in json.loads(events[-2])["error"]["message"]
-        assert _metric(bs.url, 'spinwheel_http_errors_total{status="500"}') == before + 2
+        assert metric(bs.url, 'spinwheel_http_errors_total{status="500"}') == before + 2
         tok.encode, tok.decode = real_encode, real_decode
         assert httpx.post(bs.url + "/v1/completions", json={"model": MODEL, "prompt": "ab"}).status_code == 200
-        _wait_idle(engine)
-        assert _all_blocks_free(engine)
+        wait_idle(engine)
+        assert all_blocks_free(engine)
 
 
 def test_min_tokens_above_max_tokens_is_400(server):
@@ -238,7 +213,7 @@ def test_a_big_body_does_not_stall_a_concurrent_small_request():
 def test_a_slow_reader_gets_coalesced_outputs_and_the_same_text():
     """Outputs are cumulative: a reader that falls behind gets fewer, larger ones, never a backlog, and the same
     final output as a fast reader."""
-    engine = _engine(_long_context_model(), num_kv_blocks=256)
+    engine = _engine(long_context_model(), num_kv_blocks=256)
     params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
 
     async def read(delay_s: float, request_id: str) -> tuple[int, int, str]:
@@ -260,14 +235,14 @@ def test_a_slow_reader_gets_coalesced_outputs_and_the_same_text():
     assert slow_text == fast_text
     assert fast_n > 100 and slow_n < fast_n / 3  # the slow reader skipped superseded outputs
     assert slow_unread <= 1  # one request never holds more than its latest output
-    assert _all_blocks_free(engine)
+    assert all_blocks_free(engine)
 
 
 def test_a_client_that_never_reads_is_disconnected_and_its_blocks_freed():
     """n = 4 streams with logprobs and 1500 tokens each (about 2 MB of events); the client reads nothing. The
     server's send buffers fill (16 KiB in the kernel, uvicorn's 64 KiB), the connection is dropped after the stall
     timeout, and the request is aborted long before it could have finished."""
-    engine = _engine(_long_context_model(), num_kv_blocks=2048)
+    engine = _engine(long_context_model(), num_kv_blocks=2048)
     limits = ServerLimits(stall_timeout_s=0.5, send_buffer_kb=16)
     with BackgroundServer(OpenAIServer(engine, MODEL, limits=limits)) as bs:
         body = json.dumps(
@@ -289,12 +264,12 @@ def test_a_client_that_never_reads_is_disconnected_and_its_blocks_freed():
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
         try:
-            _wait_idle(engine, timeout=30)
-            assert _all_blocks_free(engine)
-            _eventually(lambda: _metric(bs.url, 'spinwheel_requests_total{finished_reason="abort"}') == 1)
-            assert _metric(bs.url, 'spinwheel_connections_closed_total{reason="write_stall"}') == 1
+            wait_idle(engine, timeout=30)
+            assert all_blocks_free(engine)
+            eventually(lambda: metric(bs.url, 'spinwheel_requests_total{finished_reason="abort"}') == 1)
+            assert metric(bs.url, 'spinwheel_connections_closed_total{reason="write_stall"}') == 1
             assert engine.stats().num_generated_tokens < 4 * 1500 / 2
-            assert _metric(bs.url, "spinwheel_unread_outputs") == 0
+            assert metric(bs.url, "spinwheel_unread_outputs") == 0
         finally:
             sock.close()
         assert httpx.get(bs.url + "/health").json() == {"status": "ok"}

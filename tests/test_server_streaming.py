@@ -5,7 +5,7 @@ import json
 
 import httpx
 import pytest
-from test_server import MODEL, _model
+from helpers import MODEL, server_model
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
@@ -14,7 +14,7 @@ from spinwheel.server import BackgroundServer, OpenAIServer
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=64, block_size=4))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=64, block_size=4))
     with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
         yield bs
 

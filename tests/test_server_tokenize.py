@@ -3,7 +3,7 @@ against what ``/v1/chat/completions`` counts as its prompt."""
 
 import httpx
 import pytest
-from test_server import MODEL, _model
+from helpers import MODEL, server_model
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
@@ -12,7 +12,7 @@ from spinwheel.server import BackgroundServer, OpenAIServer
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
+    engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=32))
     with BackgroundServer(OpenAIServer(engine, MODEL, api_key="k")) as bs:
         yield bs
 

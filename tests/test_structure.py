@@ -116,3 +116,9 @@ def test_no_function_over_80_lines():
     }
     over = {k: n for k, n in long.items() if k not in KNOWN_LONG}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {over}"
+
+
+def test_slow_and_distributed_markers_are_registered_and_strict(pytestconfig):
+    registered = {line.split(":")[0].strip() for line in pytestconfig.getini("markers")}
+    assert {"slow", "distributed"} <= registered, registered
+    assert pytestconfig.getoption("strict_markers"), "--strict-markers: a misspelt marker must fail, not run as 'fast'"

@@ -1,0 +1,272 @@
+"""What several test modules share, in one place: the tiny models they build, the server tests' waits, the parallel
+fidelity oracle (single-process training every layout is compared against) and the RL tests' small config.
+
+Fixtures live in ``conftest.py``; this module holds plain functions and constants, imported as
+``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``). No test module imports another.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+import spinwheel
+from spinwheel.engine import EngineConfig, LLMEngine
+from spinwheel.models import ModelConfig, Transformer
+from spinwheel.models.presets import preset_config
+from spinwheel.parallel import ParallelConfig, ParallelTrainer
+from spinwheel.train.optim import ADAMW_BETAS, build_adamw, decays, lr_at
+
+# Spawned ranks import this module (they run `run_layouts`): the server's and the RL loop's imports stay inside the
+# functions that need them, so a rank does not pay for them.
+if TYPE_CHECKING:
+    from spinwheel.rl.llm import RLConfig
+    from spinwheel.server.engine_client import EngineProcess
+    from spinwheel.server.engine_process import EngineSpec
+
+# ---- tiny models --------------------------------------------------------------------------------------------------
+
+TINY_LLAMA_VOCAB, TINY_LLAMA_EOS = 96, 2  # the HF Llama checkpoint of the `tiny_llama` fixture
+
+
+def tiny_engine_model(max_position_embeddings: int) -> Transformer:
+    """The engine tests' model: 2 layers, grouped-query attention (4 heads on 2 KV heads), vocab 100, EOS 2."""
+    cfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=2,
+    )
+    return Transformer(cfg).init_weights(seed=0, std=0.1)
+
+
+def long_context_model(max_len: int = 2048) -> Transformer:
+    """The test preset with a long context, so that a request can run for thousands of steps."""
+    return Transformer(preset_config("test", 100, max_position_embeddings=max_len)).init_weights(5)
+
+
+# ---- the server tests ---------------------------------------------------------------------------------------------
+
+MODEL = "tiny-test"  # the served model name
+
+
+def server_model() -> Transformer:
+    """The server tests' model: the `test` preset, char-level vocab, seed 5."""
+    return spinwheel.load_model("test", vocab_size=100, seed=5)
+
+
+def engine_spec(model=None, **config) -> EngineSpec:
+    """How to start the server tests' engine in its own process (96 blocks of 4 tokens unless ``config`` says)."""
+    from spinwheel.server.engine_process import EngineSpec
+
+    config = {"num_kv_blocks": 96, "block_size": 4, **config}
+    return EngineSpec(model or server_model(), EngineConfig(**config), spinwheel.Tokenizer.char_level(), num_threads=1)
+
+
+def wait_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
+    """Until the engine (on a thread) holds no request."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_running == s.num_waiting == s.num_swapped == 0 and not engine.has_unfinished_requests():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine still busy: {engine.stats()}")
+
+
+def wait_engine_idle(ep: EngineProcess, timeout: float = 30.0) -> None:
+    """Until the engine process reports no request and no sequence holding blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = ep.snapshot()
+        if not ep.has_unfinished_requests() and s.num_used_blocks == 0 and s.num_block_tables == 0:
+            return
+        assert time.monotonic() < deadline, f"engine process still busy: {s}"
+        time.sleep(0.05)
+
+
+def all_blocks_free(engine: LLMEngine) -> bool:
+    bm = engine.block_manager
+    return bm.num_used_blocks == 0 and not bm.block_tables and not bm.cpu_block_tables
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a Prometheus sample (all label sets) from /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
+
+
+def eventually(check, timeout: float = 10.0) -> None:
+    """Wait for ``check()`` to hold (metrics are observed right after the step that made the engine idle)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+# ---- the parallel fidelity oracle ---------------------------------------------------------------------------------
+# Every layout trains like one process: per-step losses and final parameters equal (fp32, relative RTOL) to
+# single-process training of the same model, data and global batch over STEPS steps.
+
+STEPS = 10
+VOCAB, BATCH, SEQ = 64, 8, 12
+LR = 1e-3
+RTOL = 1e-5
+MAX_NORM = 0.5  # the gradient norm of these batches is ~1.2: every step clips
+WEIGHT_DECAY = 0.1
+
+
+def model_config(tied: bool) -> ModelConfig:
+    return preset_config("test", VOCAB, num_hidden_layers=4, tie_word_embeddings=tied)
+
+
+def make_model(tied: bool) -> Transformer:
+    return Transformer(model_config(tied)).init_weights(seed=1)
+
+
+def optimizer_factory(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        mask = (torch.rand(BATCH, SEQ, generator=gen) > 0.3).float()  # uneven token counts per rank
+        out.append((ids, labels, mask))
+    return out
+
+
+def clip_optimizer_factory(params):
+    """The SFT recipe's AdamW with its decay left to the trainer (``weight_decay`` + ``decays``)."""
+    return torch.optim.AdamW(params, lr=LR, betas=ADAMW_BETAS, weight_decay=0.0)
+
+
+def scheduled_lr(step: int) -> float:
+    return lr_at(step, LR, warmup_steps=3, total_steps=STEPS, min_lr_ratio=0.1)
+
+
+def reference(tied: bool, clip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """Single-process training: the oracle every layout is compared against. With ``clip``: the SFT recipe
+    (scheduled lr, weight decay on matrices only, gradient clipping at MAX_NORM). Returns losses, final parameters
+    and the gradient norms before clipping."""
+    model = make_model(tied)
+    opt = build_adamw(model, LR, WEIGHT_DECAY) if clip else optimizer_factory(list(model.parameters()))
+    losses, norms = [], []
+    for step, (ids, labels, mask) in enumerate(batches()):
+        if clip:
+            for group in opt.param_groups:
+                group["lr"] = scheduled_lr(step)
+        logits = model(ids)
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        loss = (ce * mask.flatten()).sum() / mask.sum()
+        loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary")}
+    return losses, params, norms
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def run_layouts(rank: int, world_size: int, layouts: list[tuple[str, dict]], refs: dict) -> dict[str, tuple]:
+    """On each spawned rank: train every layout of ``layouts`` in turn; its largest relative errors against
+    ``refs[tied, clip]`` (from :func:`reference`) and the parameters it lacks, by layout name."""
+    results = {}
+    for name, kwargs in layouts:
+        kwargs = dict(kwargs)
+        tied, clip = kwargs.pop("tied", False), kwargs.pop("clip", False)
+        if clip:
+            trainer = ParallelTrainer(
+                make_model(tied),
+                clip_optimizer_factory,
+                ParallelConfig(**kwargs),
+                max_grad_norm=MAX_NORM,
+                weight_decay=WEIGHT_DECAY,
+                decays=decays,
+            )
+        else:
+            trainer = ParallelTrainer(make_model(tied), optimizer_factory, ParallelConfig(**kwargs))
+        losses, norms = [], []
+        for step, b in enumerate(batches()):
+            if clip:
+                trainer.set_lr(scheduled_lr(step))
+            losses.append(trainer.step(*b))
+            norms.append(trainer.grad_norm)
+        full = trainer.full_state_dict()
+        ref_losses, ref_params, ref_norms = refs[tied, clip]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        missing = sorted(set(ref_params) - set(full))
+        param_err = max(rel_err(full[k], v) for k, v in ref_params.items() if k in full)
+        if clip:
+            loss_err = max([loss_err] + [abs(a - b) / b for a, b in zip(norms, ref_norms)])
+        results[name] = (loss_err, param_err, missing)
+    return results
+
+
+def check_layouts(results: list[dict], layouts) -> None:
+    """Every rank of every layout within RTOL of the reference, with every parameter present."""
+    failures = []
+    for name, _ in layouts:
+        for rank, res in enumerate(results):
+            loss_err, param_err, missing = res[name]
+            if loss_err > RTOL or param_err > RTOL or missing:
+                failures.append(
+                    f"{name} rank {rank}: loss rel err {loss_err:.2e}, param rel err {param_err:.2e}, missing {missing}"
+                )
+    assert not failures, "\n".join(failures)
+
+
+# ---- the LLM RL tests ---------------------------------------------------------------------------------------------
+
+# A random model never answers arithmetic right; this reward (share of digits in the completion) varies within
+# groups from the first step, so every step has a gradient. The `digit_reward` fixture puts it on the path.
+REWARD_MODULE = (
+    "def digits(completions, answers):\n    return [sum(ch.isdigit() for ch in c) / 5 for c in completions]\n"
+)
+
+
+def small_config(out_dir, **kw) -> RLConfig:
+    """A 5-step RL run of the `test` model on 1-digit arithmetic with the digit reward."""
+    from spinwheel.rl.llm import RLConfig
+    from spinwheel.tasks.arithmetic import ArithmeticConfig
+
+    base = dict(
+        model="test",
+        out_dir=str(out_dir),
+        steps=5,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=5,
+        reward="rl_test_reward:digits",
+        lr=3e-3,
+        beta=0.05,
+        eval_every=0,
+        eval_examples=8,
+        save_every=0,
+        progress=False,
+        num_threads=1,
+        task=ArithmeticConfig(num_digits=1, num_train=40, num_test=8),
+    )
+    base.update(kw)
+    return RLConfig(**base)
