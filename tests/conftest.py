@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import REWARD_MODULE, TINY_LLAMA_EOS, TINY_LLAMA_VOCAB, reference
+from helpers import MODEL, REWARD_MODULE, TINY_LLAMA_EOS, TINY_LLAMA_VOCAB, engine_spec, reference
 
 # Tests are small; one thread each avoids oversubscribing the 2-core CI machine.
 torch.set_num_threads(int(os.environ.get("SPINWHEEL_TEST_THREADS", "1")))
@@ -58,3 +58,14 @@ def digit_reward(tmp_path, monkeypatch):
     (tmp_path / "rl_test_reward.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="session")
+def engine_process_server():
+    """The server with its engine in its own process (`serve`'s default; 96 blocks of 4 tokens), for the end-to-end
+    tests marked BOTH_ENGINE_MODES and test_server_engine_process."""
+    from spinwheel.server import BackgroundServer, OpenAIServer
+    from spinwheel.server.engine_client import EngineProcess
+
+    with BackgroundServer(OpenAIServer(EngineProcess(engine_spec()), MODEL)) as bs:
+        yield bs

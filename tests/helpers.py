@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +56,11 @@ def long_context_model(max_len: int = 2048) -> Transformer:
 # ---- the server tests ---------------------------------------------------------------------------------------------
 
 MODEL = "tiny-test"  # the served model name
+PROMPTS = ["12+34=", "hello", "a", "The quick brown fox jumps", "7*8="]
+
+# An end-to-end server test that runs against both engine modes: the engine on a thread (the module's own `server`
+# fixture) and the engine in its own process (the session's `engine_process_server`, conftest.py).
+BOTH_ENGINE_MODES = pytest.mark.parametrize("server", ["thread", "process"], indirect=True)
 
 
 def server_model() -> Transformer:

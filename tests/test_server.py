@@ -11,17 +11,19 @@ import httpx
 import openai  # the official client (a test dependency)
 import pytest
 import torch
-from helpers import MODEL, all_blocks_free, server_model, wait_idle
+from helpers import BOTH_ENGINE_MODES, MODEL, PROMPTS, all_blocks_free, server_model, wait_idle
 
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.server import BackgroundServer, OpenAIServer
 
-PROMPTS = ["12+34=", "hello", "a", "The quick brown fox jumps", "7*8="]
-
 
 @pytest.fixture(scope="module")
-def server():
+def server(request):
+    """The engine on a thread; the session's engine-process server for the `process` case of BOTH_ENGINE_MODES."""
+    if getattr(request, "param", "thread") == "process":
+        yield request.getfixturevalue("engine_process_server")
+        return
     engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=96, block_size=4))
     with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
         yield bs
@@ -37,11 +39,13 @@ def offline():
     return LLM(server_model(), spinwheel.Tokenizer.char_level(), num_kv_blocks=96, block_size=4)
 
 
+@BOTH_ENGINE_MODES
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
+@BOTH_ENGINE_MODES
 def test_greedy_completions_equal_offline_llm(client, offline):
     ref = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
     resp = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
@@ -65,6 +69,7 @@ def test_greedy_completions_equal_offline_llm(client, offline):
     assert [c.text for c in resp.choices] == [r.outputs[0].text for r in ref[:2]]
 
 
+@BOTH_ENGINE_MODES
 def test_chat_equals_offline_llm_on_the_rendered_template(client, offline):
     messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2="}]
     prompt_ids = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(messages), add_special_tokens=False)
@@ -87,6 +92,7 @@ def test_chat_equals_offline_llm_on_the_rendered_template(client, offline):
     assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
 
 
+@BOTH_ENGINE_MODES
 def test_n_seed_stop_and_logprobs(client, offline):
     resp = client.completions.create(model=MODEL, prompt=["ab", "cd"], n=3, max_tokens=8, temperature=1.0, seed=7)
     assert [c.index for c in resp.choices] == list(range(6))
@@ -293,6 +299,7 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving(server, client, o
     assert all_blocks_free(server.server.engine)
 
 
+@BOTH_ENGINE_MODES
 def test_metrics_are_prometheus_text(server, client):
     client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics").text

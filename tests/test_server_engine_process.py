@@ -1,5 +1,6 @@
 """The engine in its own process (issue 12 item 13; what crosses the pipe: test_engine_process_outputs): the
-server's end-to-end tests (from test_server, test_server_fields, test_server_streaming, imported) pass against it;
+server's end-to-end tests pass against it (those of test_server, test_server_fields and test_server_streaming marked
+BOTH_ENGINE_MODES run against the same engine-process server as these);
 aborts (disconnects, stalled readers) free the blocks in the engine process; an engine process killed mid-stream
 fails its requests with error objects, answers 503 on /health, and is restarted, or the server exits with the
 reason; never a hang."""
@@ -16,25 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from helpers import MODEL, engine_spec, eventually, long_context_model, metric, server_model, wait_engine_idle
-from test_server import (  # noqa: F401 - imported tests run again here, against the engine process
-    PROMPTS,
-    test_chat_equals_offline_llm_on_the_rendered_template,
-    test_greedy_completions_equal_offline_llm,
-    test_metrics_are_prometheus_text,
-    test_models_and_health,
-    test_n_seed_stop_and_logprobs,
-)
-from test_server_fields import (  # noqa: F401 - the request fields that reach the engine, across the pipe
-    test_beam_search_through_the_api_equals_the_offline_beam_search,
-    test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob,
-    test_echo_with_logprobs_through_the_openai_client,
-    test_echo_with_max_tokens_0_scores_the_prompt_alone,
-    test_logit_bias_minus_100_bans_a_token_as_a_naive_greedy_loop_does,
-    test_logit_bias_plus_100_forces_a_token,
-    test_prompt_logprobs_as_vllm_returns_them,
-)
-from test_server_streaming import test_no_chunks_after_a_choice_finished  # noqa: F401
+from helpers import MODEL, PROMPTS, engine_spec, eventually, long_context_model, metric, wait_engine_idle
 
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -46,9 +29,8 @@ from spinwheel.server.limits import ServerLimits
 
 
 @pytest.fixture(scope="module")
-def server():
-    with BackgroundServer(OpenAIServer(EngineProcess(engine_spec()), MODEL)) as bs:
-        yield bs
+def server(engine_process_server):
+    return engine_process_server
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +38,6 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def dense():
-    return server_model()
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(server_model(), spinwheel.Tokenizer.char_level(), num_kv_blocks=96, block_size=4)
 
 
 def test_concurrent_streams_with_disconnects_free_every_block_in_the_engine_process(server):

@@ -10,6 +10,7 @@ import httpx
 import openai  # the official client (a test dependency)
 import pytest
 import torch
+from helpers import BOTH_ENGINE_MODES
 
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -36,7 +37,11 @@ def dense():
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(request):
+    """The engine on a thread; the session's engine-process server for the `process` case of BOTH_ENGINE_MODES."""
+    if getattr(request, "param", "thread") == "process":
+        yield request.getfixturevalue("engine_process_server")
+        return
     engine = LLMEngine(_model(), TOK, EngineConfig(num_kv_blocks=96, block_size=4))
     with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
         yield bs
@@ -63,6 +68,7 @@ def _dense_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 # ---- logit_bias ----
+@BOTH_ENGINE_MODES
 def test_logit_bias_plus_100_forces_a_token(server):
     z = _ids("z")[0]
     for temperature in (0.0, 1.0):
@@ -72,6 +78,7 @@ def test_logit_bias_plus_100_forces_a_token(server):
         assert r.json()["choices"][0]["text"] == "z" * 8
 
 
+@BOTH_ENGINE_MODES
 def test_logit_bias_minus_100_bans_a_token_as_a_naive_greedy_loop_does(server, dense):
     prompt = TOK.encode("hello")
     plain = _post(server, {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()
@@ -102,6 +109,7 @@ def test_bad_logit_bias_is_400(server, bias, needle):
 
 
 # ---- best_of and beam search ----
+@BOTH_ENGINE_MODES
 def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(server):
     body = {"prompt": "The quick", "max_tokens": 6, "temperature": 1.0, "seed": 11, "logprobs": 0, "ignore_eos": True}
     every = _post(server, {**body, "n": 6}).json()["choices"]  # the same 6 seeded samples best_of=6 draws
@@ -118,6 +126,7 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(serve
     assert chat.status_code == 200 and len(chat.json()["choices"]) == 1
 
 
+@BOTH_ENGINE_MODES
 def test_beam_search_through_the_api_equals_the_offline_beam_search(server, offline):
     prompt = "7*8="
     for width, n in ((4, 2), (3, 3)):
@@ -174,6 +183,7 @@ def test_tool_calling_is_refused_unless_off(server, body, status, param):
 
 
 # ---- prompt logprobs and echo ----
+@BOTH_ENGINE_MODES
 def test_prompt_logprobs_as_vllm_returns_them(server, dense):
     text = "The quick brown"
     messages = [{"role": "user", "content": text}]
@@ -196,6 +206,7 @@ def test_prompt_logprobs_as_vllm_returns_them(server, dense):
             assert [entry[str(t)]["rank"] for t in top] == [1, 2]
 
 
+@BOTH_ENGINE_MODES
 def test_echo_with_logprobs_through_the_openai_client(client, dense):
     prompt = "hello"
     ids = TOK.encode(prompt)  # <bos> h e l l o
@@ -230,6 +241,7 @@ def test_echo_with_logprobs_through_the_openai_client(client, dense):
     assert token_lps[0] is None and token_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
 
 
+@BOTH_ENGINE_MODES
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, client, dense):
     # the classic OpenAI scoring request (lm-eval style): the prompt back, with its logprobs, nothing generated
     prompts = ["12+34=46", "hello"]

@@ -5,7 +5,7 @@ import json
 
 import httpx
 import pytest
-from helpers import MODEL, server_model
+from helpers import BOTH_ENGINE_MODES, MODEL, server_model
 
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
@@ -13,7 +13,11 @@ from spinwheel.server import BackgroundServer, OpenAIServer
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(request):
+    """The engine on a thread; the session's engine-process server for the `process` case of BOTH_ENGINE_MODES."""
+    if getattr(request, "param", "thread") == "process":
+        yield request.getfixturevalue("engine_process_server")
+        return
     engine = LLMEngine(server_model(), spinwheel.Tokenizer.char_level(), EngineConfig(num_kv_blocks=64, block_size=4))
     with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
         yield bs
@@ -24,6 +28,7 @@ def _stream(server, path: str, body: dict) -> list[dict]:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
+@BOTH_ENGINE_MODES
 @pytest.mark.parametrize(
     "path,body,text_of",
     [
