@@ -31,6 +31,7 @@ import spinwheel
 from spinwheel.engine import LLMEngine
 from spinwheel.server.async_engine import AsyncEngine, EngineDeadError
 from spinwheel.server.chat import ChatCompletions
+from spinwheel.server.chat_template import ChatRenderer
 from spinwheel.server.completions import Completions
 from spinwheel.server.engine_client import EngineProcess
 from spinwheel.server.limits import ServerLimits
@@ -62,7 +63,10 @@ class OpenAIServer:
         api_key: str | None = None,
         max_body_bytes: int = 1 << 20,
         limits: ServerLimits | None = None,
+        special_tokens_in_content: bool = True,
     ) -> None:
+        """``special_tokens_in_content``: a special token's text in a chat message becomes that token (vLLM's
+        behaviour); False reads message content as text only (:mod:`~spinwheel.server.chat_template`)."""
         if engine.tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer")
         check_api_key(api_key)
@@ -90,11 +94,18 @@ class OpenAIServer:
         self.metrics.watch(
             lambda: self.async_engine.num_unread_outputs, lambda: (len(self.guard.open), self.guard.stats)
         )
-        self.served = ServedModel(served_model_name, vocab_size, engine.max_model_len, limits.max_sequences_per_request)
+        self.served = ServedModel(
+            served_model_name,
+            vocab_size,
+            engine.max_model_len,
+            limits.max_sequences_per_request,
+            limits.max_logprobs_per_request,
+        )
         count = self.metrics.count_error
+        renderer = ChatRenderer(self.tokenizer, special_tokens_in_content)
         self.completions = Completions(self.served, self.tokenizer, self.async_engine, count)
-        self.chat = ChatCompletions(self.served, self.tokenizer, self.async_engine, count)
-        self.tokenization = Tokenization(self.served, self.tokenizer)
+        self.chat = ChatCompletions(self.served, self.tokenizer, self.async_engine, count, renderer)
+        self.tokenization = Tokenization(self.served, self.tokenizer, renderer)
         self.created = int(time.time())
         self.app = RequestBodyMiddleware(self._build_app(), max_body_bytes, limits.body_timeout_s, count)
 
@@ -117,16 +128,24 @@ class OpenAIServer:
         )
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="spinwheel", docs_url=None, redoc_url=None, openapi_url=None)
+        # No redirects: Starlette's slash redirect (`/v1/completions/` -> 307) is answered before authentication,
+        # with a location built from the client's Host header. An unknown path is a 404 error object instead.
+        app = FastAPI(title="spinwheel", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
         self._add_error_handlers(app)
         authorized = [Depends(api_key_auth(self.api_key))]
 
         @app.get("/health")
         async def health() -> Response:
-            """200 while the engine serves; 503 with an error object naming the cause when its thread stopped, or
-            when it has had work and made no progress for ``--health-stall-s`` (a scheduler stall, a hung step)."""
+            """200 while the engine serves; 503 with an error object when it has stopped (or is restarting), or
+            when it has had work and made no progress for ``--health-stall-s`` (a scheduler stall, a hung step).
+            Anyone may ask, so the answer names no process and no exception: the server log has them."""
             if not self.async_engine.alive:
-                error = APIError(503, f"the engine has stopped: {self.async_engine.error!r}", type="server_error")
+                error = APIError(
+                    503,
+                    "the engine is not serving (it stopped, or is restarting); the server log says why",
+                    type="server_error",
+                    code="engine_stopped",
+                )
                 return JSONResponse({"status": "error", **error.body()}, status_code=503)
             stalled = self.async_engine.seconds_without_progress()
             if stalled > self.limits.health_stall_s:

@@ -72,11 +72,16 @@ class _Child:
         self.proc = ctx.Process(
             target=run_engine_process, args=(spec, child_conn), name="spinwheel-engine", daemon=True
         )
-        self.proc.start()
-        child_conn.close()  # the child's end lives in the child only: its death closes the pipe
-        self.info = self._wait_ready(start_timeout_s)
+        self.closed = False  # close() was called: the writer ends
+        self.released = False  # the process has ended and its descriptors are released
+        self.exitcode: int | None = None
+        self.lock = threading.Lock()  # guards the process object: join and close come from two threads
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
+        self.proc.start()
+        self.pid = self.proc.pid
+        child_conn.close()  # the child's end lives in the child only: its death closes the pipe
+        self.info = self._wait_ready(start_timeout_s)
         threading.Thread(target=self._write, name="spinwheel-engine-writer", daemon=True).start()
 
     def _wait_ready(self, timeout_s: float) -> EngineInfo:
@@ -90,9 +95,9 @@ class _Child:
                     raise RuntimeError(f"the engine process did not start within {timeout_s:g} s")
             message = pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
-            self.proc.join(5)
+            exitcode = self.join(5)
             self.close()
-            raise RuntimeError(f"the engine process {describe_exit(self.proc.exitcode)} while starting") from None
+            raise RuntimeError(f"the engine process {describe_exit(exitcode)} while starting") from None
         if message[0] != "ready":
             self.close()
             raise RuntimeError(f"the engine could not start: {message[1]}")
@@ -103,7 +108,7 @@ class _Child:
         self.wake.set()
 
     def _write(self) -> None:
-        while True:
+        while not self.closed:
             self.wake.wait()
             self.wake.clear()
             batch = []
@@ -112,7 +117,7 @@ class _Child:
                     batch.append(self.outbox.get_nowait())
                 except queue.Empty:
                     break
-            if not batch:
+            if not batch or self.closed:
                 continue
             try:
                 self.conn.send_bytes(dumps(batch))
@@ -121,11 +126,30 @@ class _Child:
             if batch[-1][0] == "shutdown":
                 return
 
+    def join(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds for the process to end; its exit code (None while it runs)."""
+        with self.lock:
+            if not self.released:
+                self.proc.join(timeout)
+                self.exitcode = self.proc.exitcode
+        return self.exitcode
+
     def close(self) -> None:
-        self.conn.close()
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
+        """Close the pipe, stop the process and the writer thread, and release the process's descriptors (its
+        sentinel pipe stays open until ``Process.close``): a restart leaves nothing of this child behind."""
+        self.closed = True
+        self.wake.set()  # the writer waits for work: let it see ``closed`` and end
+        with self.lock:  # the reader thread and shutdown may both close it
+            self.conn.close()
+            if self.released:
+                return
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+            self.exitcode = self.proc.exitcode
+            if self.exitcode is not None:
+                self.proc.close()
+                self.released = True
 
 
 class EngineProcess(StreamingEngine):
@@ -203,7 +227,7 @@ class EngineProcess(StreamingEngine):
         self._closing = True
         child = self._child
         child.post(("shutdown",))
-        child.proc.join(timeout)
+        child.join(timeout)
         child.close()
 
     # ---- asyncio side ----
@@ -274,10 +298,11 @@ class EngineProcess(StreamingEngine):
         _deliver(items)
 
     def _on_exit(self, child: _Child, failure: str | None = None) -> None:
-        child.proc.join(5)
+        exitcode = child.join(5)
         if self._closing:
+            child.close()
             return
-        reason = failure or f"the engine process (pid {child.proc.pid}) {describe_exit(child.proc.exitcode)}"
+        reason = failure or f"the engine process (pid {child.pid}) {describe_exit(exitcode)}"
         logger.error("%s; failing the requests in flight", reason)
         error = EngineDeadError(reason)
         with self._lock:
@@ -286,19 +311,24 @@ class EngineProcess(StreamingEngine):
             self._streams.clear()
         _deliver(items)
         child.close()
-        if self.num_restarts < self.max_restarts:
-            self.num_restarts += 1
+        start_error = None
+        while self.num_restarts < self.max_restarts and not self._closing:
+            self.num_restarts += 1  # a replacement that dies while starting uses a restart, and the next one goes on
             logger.warning("restarting the engine process (restart %d of %d)", self.num_restarts, self.max_restarts)
             try:
                 self._start()
                 logger.warning("the engine process is back (pid %d)", self.pid)
                 return
             except RuntimeError as e:
-                reason = f"{reason}, and a new one could not start: {e}"
+                start_error = e
+                logger.error("restart %d of %d failed: %s", self.num_restarts, self.max_restarts, e)
                 with self._lock:
-                    self.error = EngineDeadError(reason)
-        else:
-            reason = f"{reason} ({self.max_restarts} restart(s) allowed, all used)"
+                    self.error = EngineDeadError(f"{reason}, and a new one could not start: {e}")
+        if self._closing:
+            return
+        if start_error is not None:
+            reason = f"{reason}, and a new one could not start: {start_error}"
+        reason = f"{reason} ({self.max_restarts} restart(s) allowed, all used)"
         logger.error("%s", reason)
         if self.on_exit is not None:
             self.on_exit(reason)

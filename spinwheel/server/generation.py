@@ -5,10 +5,12 @@ the caller leaves early; and :func:`off_loop` for the request's own CPU work (to
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from spinwheel.engine import RequestOutput, SamplingParams
 from spinwheel.engine.isolation import INTERNAL_ERROR
@@ -28,6 +30,17 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     if size <= INLINE_WORK:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
+
+
+async def json_response(build: Callable[[], Any], size: int) -> Response:
+    """The JSON response of what ``build()`` returns, built and serialised off the event loop when ``size`` (tokens
+    and log-prob entries in it) is large: a response of many log-probs takes seconds to build, and every other
+    connection would wait that long. Serialised as Starlette's ``JSONResponse`` does."""
+
+    def render() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    return Response(await off_loop(size, render), media_type="application/json")
 
 
 def _api_error(e: BaseException) -> BaseException:

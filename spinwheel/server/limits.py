@@ -43,6 +43,11 @@ class ServerLimits:
         "kernel before the stall timeout starts (0: the OS's autotuning, up to MBs per connection)",
     )
     max_sequences_per_request: int = option(1024, help="prompts x n in one request at most (more: HTTP 400)")
+    max_logprobs_per_request: int = option(
+        1_000_000,
+        help="log-prob entries one request may ask for at most: scored tokens (prompt and output, every choice) x "
+        "(top-k + 1); about 25 bytes of response each (more: HTTP 400)",
+    )
     log_repeat_interval_s: float = option(
         10.0, help="a repeated warning or error is logged once per interval, with the number suppressed"
     )
@@ -53,7 +58,7 @@ class ServerLimits:
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_header_kb", "max_sequences_per_request"):
+        for name in ("max_connections", "max_header_kb", "max_sequences_per_request", "max_logprobs_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.send_buffer_kb < 0:

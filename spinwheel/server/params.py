@@ -31,6 +31,7 @@ class ServedModel:
     vocab_size: int
     max_model_len: int
     max_sequences_per_request: int = 1024
+    max_logprobs_per_request: int = 1_000_000
 
     def check_name(self, model: str) -> None:
         if model != self.name:
@@ -52,6 +53,19 @@ class ServedModel:
                 f"(spinwheel serve --max-sequences-per-request)",
                 param="prompt" if num_prompts > 1 else "n",
                 code="too_many_sequences",
+            )
+
+    def check_logprobs_work(self, num_entries: int, param: str) -> None:
+        """A 400 before generation when the request's log-prob entries (scored tokens x (top-k + 1), summed over its
+        prompts and choices) exceed the limit: each costs response bytes and event-loop time to build."""
+        if num_entries > self.max_logprobs_per_request:
+            raise APIError(
+                400,
+                f"this request asks for up to {num_entries} log-prob entries (scored tokens x (top-k + 1) over all "
+                f"prompts and choices); this server allows at most {self.max_logprobs_per_request} per request "
+                f"(spinwheel serve --max-logprobs-per-request): lower {param}, max_tokens, n or the number of prompts",
+                param=param,
+                code="too_many_logprobs",
             )
 
     def check_token_ids(self, ids: list[int], param: str, what: str = "token id") -> None:

@@ -59,6 +59,11 @@ class ServeConfig(ServerLimits):
         help="run the engine in a process of its own, so that model steps and HTTP work do not share a GIL "
         "(--no-engine-process: on a thread of the server's process)",
     )
+    num_threads: int = option(
+        0,
+        help="torch CPU threads of the engine, at most (0: torch's default, one per core); each step runs on as "
+        "many as the cores other processes leave free (SPINWHEEL_THREADS=off: exactly this many)",
+    )
     warmup: bool = option(
         True,
         help="before serving, run one engine step of dummy prompts filling --engine-max-num-batched-tokens, so "
@@ -71,6 +76,11 @@ class ServeConfig(ServerLimits):
         "the prompt tokens the timed warm-up step says fit in this many ms, so that a burst of new prompts holds "
         "up the running streams about this long at most (Sarathi-Serve sizes its budget against an inter-token "
         "latency target the same way); 0: the whole budget. Without --warmup the bound is 768 tokens",
+    )
+    special_tokens_in_content: bool = option(
+        True,
+        help="a special token's text typed in a chat message (<eos>, <|im_end|>) becomes that token, as vLLM's "
+        "server does; --no-special-tokens-in-content reads message content as text only",
     )
     engine_restarts: int = option(
         3,
@@ -86,6 +96,8 @@ class ServeConfig(ServerLimits):
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.decode_step_ms < 0:
             raise ValueError(f"--decode-step-ms must be >= 0, got {self.decode_step_ms}")
+        if self.num_threads < 0:
+            raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
         resolve_http(self.http)  # ValueError now, not after the engine has loaded
@@ -133,13 +145,21 @@ def build_server(
         engine_config = serving_defaults(engine_config)
     engine: LLMEngine | EngineProcess
     if config.engine_process:
-        spec = EngineSpec(config.model, engine_config, warmup=config.warmup, decode_step_ms=fit_ms)
+        threads = config.num_threads or None
+        spec = EngineSpec(config.model, engine_config, num_threads=threads, warmup=config.warmup, decode_step_ms=fit_ms)
         engine = EngineProcess(spec, config.engine_restarts, on_engine_exit)
     else:
+        if config.num_threads:  # the engine's thread, started later, takes this count
+            import torch
+
+            torch.set_num_threads(config.num_threads)
         engine = LLMEngine.from_pretrained(config.model, engine_config)
         if config.warmup:
             print(f"spinwheel serve: {prepare_for_serving(engine, fit_ms)}", flush=True)
-    return OpenAIServer(engine, model_name(config), api_key, int(config.max_body_mb * (1 << 20)), config.limits())
+    max_body = int(config.max_body_mb * (1 << 20))
+    return OpenAIServer(
+        engine, model_name(config), api_key, max_body, config.limits(), config.special_tokens_in_content
+    )
 
 
 def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> None:

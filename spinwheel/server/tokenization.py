@@ -6,7 +6,7 @@ kept, so that ``detokenize(tokenize(text))`` gives the tokenizer's view of ``tex
 from __future__ import annotations
 
 from spinwheel.models.tokenizer import Tokenizer
-from spinwheel.server.chat import render_chat
+from spinwheel.server.chat_template import MESSAGE_COST_CHARS, ChatRenderer
 from spinwheel.server.generation import off_loop
 from spinwheel.server.logprobs import token_text
 from spinwheel.server.params import ServedModel
@@ -14,24 +14,20 @@ from spinwheel.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
 class Tokenization:
-    def __init__(self, model: ServedModel, tokenizer: Tokenizer) -> None:
+    def __init__(self, model: ServedModel, tokenizer: Tokenizer, renderer: ChatRenderer | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.renderer = renderer or ChatRenderer(tokenizer)
 
     def _tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
-            return render_chat(
-                self.tokenizer,
-                body.messages,
-                body.add_generation_prompt,
-                add_special_tokens=bool(body.add_special_tokens),
-            )
+            return self.renderer(body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
         add = True if body.add_special_tokens is None else body.add_special_tokens
         return self.tokenizer.encode(body.prompt or "", add_special_tokens=add)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         if body.model is not None:
             self.model.check_name(body.model)
-        size = len(body.prompt or "") + sum(len(m.text()) for m in body.messages or [])
+        size = len(body.prompt or "") + sum(len(m.text()) + MESSAGE_COST_CHARS for m in body.messages or [])
         ids = await off_loop(size, self._tokenize, body)
         strs = [token_text(self.tokenizer, t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": strs}
