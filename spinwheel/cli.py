@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     from spinwheel.demo import DemoConfig
     from spinwheel.engine import EngineConfig
     from spinwheel.rl.classic import command as classic_command
-    from spinwheel.rl.llm.command import PREF_COMMANDS, RL_COMMANDS, add_pref_parser, add_rl_parser
+    from spinwheel.rl.llm.command import PREF_COMMANDS, add_pref_parser, add_rl_parser, rl_commands
     from spinwheel.server.serve import ServeConfig
 
     parser = argparse.ArgumentParser(prog="spinwheel", description=DESCRIPTION)
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(p, DemoConfig)
     _sft_parser(sub)
-    for algo, what in RL_COMMANDS.items():
+    for algo, what in rl_commands().items():
         add_rl_parser(sub, algo, what)
     for command, what in PREF_COMMANDS.items():
         add_pref_parser(sub, command, what)
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _dispatch(ns: argparse.Namespace) -> int:
-    from spinwheel.rl.llm.command import PREF_COMMANDS, RL_COMMANDS, run_pref, run_rl
+    from spinwheel.rl.llm.command import PREF_COMMANDS, rl_commands, run_pref, run_rl
 
     """Run the parsed command; returns its exit status."""
     check_device(getattr(ns, "device", None))
@@ -237,7 +237,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
         train_sft(_sft_from_args(ns), announce=True)
     elif ns.command in PREF_COMMANDS:
         run_pref(ns)
-    elif ns.command in RL_COMMANDS:
+    elif ns.command in rl_commands():
         run_rl(ns)
     elif ns.command == "generate":
         run_generate(from_args(GenerateConfig, ns), _engine_from_args(ns))

@@ -164,7 +164,7 @@ def test_sft_examples_that_do_not_fit_the_context_are_dropped_with_their_locatio
     config = SFTConfig(data=str(path), max_seq_len=256, max_new_tokens=16, eval_fraction=0.2)
     data = build_data(config, Tokenizer.char_level(), max_context=60)
     assert data.num_dropped == 1 and len(data.train) + len(data.eval) == 5
-    assert data.dropped_message.startswith("skipped 1 examples that are longer than --max-seq-len 256 or do not fit")
+    assert data.dropped_message.startswith("dropped 1 examples longer than --max-seq-len 256 or not fitting")
     assert data.dropped_message.endswith(f"{path}:2 (52 + 2 tokens)")
     assert build_data(config, Tokenizer.char_level()).num_dropped == 0  # without the model's context: kept
 

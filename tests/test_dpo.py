@@ -17,7 +17,7 @@ from spinwheel.parallel import ParallelConfig
 from spinwheel.rl.llm.dpo import DPOLoss, dpo_batch, train_dpo, with_reference
 from spinwheel.rl.llm.pref_config import DPOConfig
 from spinwheel.rl.llm.preference_data import SampledGroups, TaskPrompt, self_generated_pairs, tokenize_pair
-from spinwheel.rl.preference import dpo_loss
+from spinwheel.rl.llm.preference_losses import dpo_loss
 from spinwheel.tasks.data import DataError, read_preference_jsonl, write_jsonl
 from spinwheel.train.learners import LocalLearner, OptimConfig
 

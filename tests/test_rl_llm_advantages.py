@@ -5,7 +5,7 @@ import statistics
 import pytest
 import torch
 
-from spinwheel.rl.llm_advantages import (
+from spinwheel.rl.llm.token_advantages import (
     AdaptiveKLController,
     FixedKLController,
     dynamic_sampling_mask,

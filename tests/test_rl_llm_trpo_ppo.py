@@ -13,8 +13,8 @@ from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.trpo import fisher_rows, logit_fisher_product, trpo_update
-from spinwheel.rl.token_losses import token_weights
+from spinwheel.rl.llm.algorithms.trpo import fisher_rows, logit_fisher_product, trpo_update
+from spinwheel.rl.llm.token_losses import token_weights
 from spinwheel.rl.trpo import fisher_vector_product
 from spinwheel.train.learners import LocalLearner, ParallelLearner, local_outputs
 from spinwheel.train.metrics import read_metrics

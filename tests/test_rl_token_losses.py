@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from spinwheel.rl.llm_advantages import group_advantages
-from spinwheel.rl.token_losses import (
+from spinwheel.rl.llm.token_advantages import group_advantages
+from spinwheel.rl.llm.token_losses import (
     clipped_policy_loss,
     clipped_value_loss,
     grpo_loss,

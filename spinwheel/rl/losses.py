@@ -8,7 +8,7 @@ Every loss is a mean over the samples it is given and is to be *minimised*. ``st
 tensors (call ``.item()`` when logging; they are not synced eagerly so the hot path stays cheap).
 All inputs are 1-D ``(B,)`` tensors of per-sample quantities unless noted. The ``*_terms`` functions return the
 per-sample terms before the mean, for callers that aggregate with their own weights (the LLM token losses in
-``spinwheel.rl.token_losses``).
+``spinwheel.rl.llm.token_losses``).
 """
 
 from __future__ import annotations

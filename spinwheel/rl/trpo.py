@@ -157,7 +157,7 @@ def trust_region_step(
     Returns stats: ``kl`` (measured after the step), ``surrogate_improvement``, ``expected_improvement``
     (``g·Δθ``), ``step_fraction``, ``grad_norm``, ``cg_iters``, ``cg_residual``, ``accepted``.
     ``fvp``: a ready ``v ↦ (F + damping·I) v`` (already reduced over ranks) instead of double back-propagation
-    through ``kl_fn`` — e.g. the Gauss–Newton form of an LLM's token KL (:mod:`spinwheel.rl.llm.trpo`).
+    through ``kl_fn`` — e.g. the Gauss–Newton form of an LLM's token KL (:mod:`spinwheel.rl.llm.algorithms.trpo`).
     """
     params = list(params)
     reduce = reduce or _identity

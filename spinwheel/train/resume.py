@@ -29,6 +29,7 @@ OBSERVATION_OPTIONS = frozenset(
         "force",
         "num_threads",
         "progress",
+        "reward_timeout_s",
         "parallel.timeout_s",
         "parallel.remat",
         "parallel.remat_k",

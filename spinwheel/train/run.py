@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -117,14 +118,23 @@ class Run:
         self.start_step, self.changes = 0, []
         self.logger: MetricsLogger | None = None
         self.last_saved: int | None = None
+        self._stop: StopOnSignal | None = None
+
+    def stop_requested(self) -> bool:
+        """Whether SIGINT / SIGTERM arrived during this run's steps (for waits in user code, e.g. reward calls)."""
+        return self._stop is not None and self._stop.signum is not None
 
     def __enter__(self) -> Run:
         self._open_dir()
         c = self.config
-        self.state = load_trainer_state(self.ckpt_dir) if c.resume and self.ckpt_dir.is_dir() else None
-        if self.state is not None:
-            self.start_step, self.changes = resume_point(c, self.state, self.ckpt_dir, self._harmless)
-            self.last_saved = self.start_step
+        try:
+            self.state = load_trainer_state(self.ckpt_dir) if c.resume and self.ckpt_dir.is_dir() else None
+            if self.state is not None:
+                self.start_step, self.changes = resume_point(c, self.state, self.ckpt_dir, self._harmless)
+                self.last_saved = self.start_step
+        except BaseException:
+            self._lock.release()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -230,14 +240,13 @@ class Run:
         history: list[dict[str, Any]] = []
         bar = self.progress_bar(job.learner.is_main)
         with StopOnSignal(self.distributed) as stop:
+            self._stop = stop
             for step in bar:
                 try:
                     record = {"step": step + 1, **job.step(step)}
                 except StepFailed as e:
                     bar.close()
-                    self.save(job, step)  # the weights are those after the steps before: keep them
-                    if self.is_main:
-                        print(f"checkpoint saved at step {step} in {self.ckpt_dir} before the error", flush=True)
+                    self._save_before_failure(job, step, stop, e.cause)
                     raise e.cause from None
                 bad = nonfinite(record)
                 signum, any_bad = stop.agree(bad is not None)
@@ -259,4 +268,15 @@ class Run:
                 if c.save_every and done % c.save_every == 0 and done < end:
                     self.save(job, done)
         bar.close()
+        self._stop = None
         return history
+
+    def _save_before_failure(self, job: Job, step: int, stop: StopOnSignal, cause: BaseException) -> None:
+        """A step failed before changing any weight: save the steps before it; a wait stopped by Ctrl-C ends as an
+        interrupted run (130 / 143), anything else says the checkpoint is there and lets the error speak."""
+        self.save(job, step)
+        if isinstance(cause, KeyboardInterrupt):
+            signum = stop.signum or signal.SIGINT
+            raise stop.interrupted(signum, step, self.ckpt_dir, self.is_main, self.config.resume) from None
+        if self.is_main:
+            print(f"checkpoint saved at step {step} in {self.ckpt_dir} before the error below", flush=True)

@@ -105,7 +105,7 @@ class SFTJob:
             source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=self.tokenizer.vocab_size
         )
         num_params = sum(p.numel() for p in set(model.parameters()))
-        self.data = data = build_data(config, self.tokenizer)
+        self.data = data = build_data(config, self.tokenizer, max_context=model.config.max_position_embeddings)
         if run.is_main:
             if announce:
                 print(
@@ -116,7 +116,7 @@ class SFTJob:
                 )
             run.announce_resume()
             if data.num_dropped:
-                print(f"dropped {data.num_dropped} examples longer than --max-seq-len {config.max_seq_len}", flush=True)
+                print(data.dropped_message, flush=True)
         self.learner = make_learner(model)
         if run.state is not None:
             self.learner.load(run.ckpt_dir, run.state)

@@ -94,10 +94,11 @@ def build_data(config: SFTConfig, tokenizer: Tokenizer, max_context: int | None 
         return out
 
     train, evaluation = tokenize(rows_train), tokenize(rows_eval)
-    why = f"are longer than --max-seq-len {config.max_seq_len}"
+    why = f"longer than --max-seq-len {config.max_seq_len}"
     if max_context is not None:
-        why += f" or do not fit the model's context of {max_context} with --max-new-tokens {config.max_new_tokens}"
-    message = describe_skipped(dropped, "examples", why) if dropped else ""
+        why += f" or not fitting the model's context of {max_context} with --max-new-tokens {config.max_new_tokens}"
+    shown = describe_skipped(dropped, "examples", why).partition(": ")[2]
+    message = f"dropped {len(dropped)} examples {why}: {shown}" if dropped else ""
     if not train:
         raise ValueError(f"no training examples left ({message}); raise --max-seq-len or check --data")
     return SFTData(train, evaluation, score, len(dropped), message)

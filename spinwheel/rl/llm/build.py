@@ -1,25 +1,16 @@
-"""What an RL run is built from: the prompts (the built-in task's splits or a JSONL) and the algorithm object
-(PPO with its critic learner on the policy's layout, restored when resuming)."""
+"""The prompts an RL run samples from: the built-in task's splits or a JSONL (plain prompts or chat messages)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import TokenizerError
-from spinwheel.models.transformer import scalar_head_model
-from spinwheel.rl.llm.algorithms import GroupPolicyGradient
 from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm.ppo import PPO
 from spinwheel.rl.llm.rollout import Prompt, prompts_from_task
-from spinwheel.rl.llm.trpo import TRPO
 from spinwheel.tasks.arithmetic import ArithmeticTask
 from spinwheel.tasks.data import DataError, RLRecord, check_integer_answers, describe_skipped, read_rl_jsonl
-from spinwheel.train.checkpoint import load_trainer_state
-from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner
 
 
 def load_prompts(
@@ -65,35 +56,3 @@ def chat_prompt(tokenizer, record: RLRecord, path: str) -> Prompt:
     except TokenizerError as e:
         raise DataError(f"{path}: 'messages' lines need the checkpoint's chat template: {e}") from None
     return Prompt(text, tuple(tokenizer.encode(text, add_special_tokens=False)), record.answer)
-
-
-def make_algorithm(
-    config: RLConfig, initial_policy, distributed: bool, dims, critic_dir: Path | None, resume_step: int = 0
-):
-    """The configured algorithm; PPO builds its critic (a scalar-head copy of the initial policy's body, or the
-    saved critic when resuming) on a learner of the policy's layout."""
-    if config.algo == "trpo":
-        return TRPO(config)
-    if config.algo != "ppo":
-        return GroupPolicyGradient(config)
-    if critic_dir is not None:
-        critic_model = load_model(critic_dir, dtype=config.dtype, device=config.device)
-    else:
-        critic_model = scalar_head_model(initial_policy(), seed=config.seed)
-    optim = OptimConfig(config.critic_lr, 0.0, config.grad_clip)
-    critic: Learner = (
-        ParallelLearner(critic_model, optim, config.parallel, dims, engine_copy="none")
-        if distributed
-        else LocalLearner(critic_model, optim)
-    )
-    algo = PPO(config, critic)
-    if critic_dir is not None:
-        state = load_trainer_state(critic_dir)
-        if state is None or state["step"] != resume_step:
-            raise ValueError(
-                f"{critic_dir} does not match the policy checkpoint at step {resume_step} (the run "
-                "stopped between the two saves); rerun with --no-resume to start over"
-            )
-        critic.load(critic_dir, state)
-        algo.kl.load_state_dict(state["kl_coef"])
-    return algo

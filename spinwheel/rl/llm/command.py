@@ -9,32 +9,53 @@ import os
 from spinwheel.config import add_arguments, from_args
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 
-RL_COMMANDS = {
-    "grpo": "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts",
-    "rloo": "RLOO (leave-one-out baseline) on engine rollouts",
-    "reinforce-pp": "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts",
-    "ppo": "PPO for LLMs (critic, token-level GAE, KL penalty to the reference) on engine rollouts",
-    "trpo": "TRPO for LLM policies (conjugate gradient on Fisher-vector products, KL trust region) on engine rollouts",
-}
+
+def rl_commands() -> dict[str, str]:
+    """The RL commands (one per registered algorithm) and their one-line help."""
+    from spinwheel.rl.llm.algorithms import ALGORITHMS
+
+    return {name: algo.summary for name, algo in ALGORITHMS.items()}
+
+
+class _Refused(argparse.Action):
+    """An option of another algorithm given to this command: refused in one line naming whose it is."""
+
+    def __init__(self, *args, owners: str = "", **kwargs) -> None:
+        super().__init__(*args, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.owners = owners
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        command = parser.prog.split()[-1]
+        parser.exit(
+            2, f"{parser.prog}: error: {option_string} does not act for {command} (an option of {self.owners})\n"
+        )
 
 
 def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
+    """The command of algorithm ``algo``: the shared options and its own; another algorithm's are refused."""
     from spinwheel.engine import EngineConfig
     from spinwheel.parallel import ParallelConfig
+    from spinwheel.rl.llm.algorithms import ALGORITHM_OPTIONS, ALGORITHMS
     from spinwheel.rl.llm.config import RL_ENGINE_DEFAULTS, RLConfig
 
+    cls = ALGORITHMS[algo]
     p = sub.add_parser(
         algo,
         help=what,
         description=f"{what}; torchrun for data/tensor/pipeline parallel updates; "
         "rerunning resumes from <out-dir>/checkpoint.",
     )
-    add_arguments(p, RLConfig, skip={"algo"})
+    foreign = ALGORITHM_OPTIONS - cls.options
+    add_arguments(p, RLConfig, skip={"algo"} | foreign, defaults=cls.defaults)
     add_arguments(p, ArithmeticConfig, prefix="task-")
     add_arguments(p, ParallelConfig)
     engine_skip = {"dtype", "device", "seed", "max_model_len"}
     add_arguments(p, EngineConfig, prefix="engine-", skip=engine_skip, defaults=RL_ENGINE_DEFAULTS)
-    p.set_defaults(out_dir=f"runs/{algo}")
+    for name in sorted(foreign):
+        owners = ", ".join(a for a, c in ALGORITHMS.items() if name in c.options)
+        flag = name.replace("_", "-")
+        p.add_argument(f"--{flag}", f"--no-{flag}", dest=f"refused_{name}", action=_Refused, owners=owners)
+    p.set_defaults(out_dir=f"runs/{algo}", algo=algo)
 
 
 def run_rl(ns: argparse.Namespace) -> None:
@@ -43,7 +64,6 @@ def run_rl(ns: argparse.Namespace) -> None:
     from spinwheel.rl.llm import RLConfig, train_rl
 
     config = from_args(RLConfig, ns)
-    config.algo = ns.command
     config.task = from_args(ArithmeticConfig, ns, prefix="task-")
     config.parallel = from_args(ParallelConfig, ns)
     config.engine = from_args(EngineConfig, ns, prefix="engine-")

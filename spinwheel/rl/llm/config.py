@@ -17,20 +17,13 @@ from spinwheel.parallel.config import ParallelConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 
 RL_ENGINE_DEFAULTS = {"cpu_packed_weights": False}  # where the RL loop's engine differs from EngineConfig's defaults
-ALGOS = ("grpo", "rloo", "reinforce-pp", "ppo", "trpo")
 
 
 @dataclass
 class RLConfig:
     """Policy-gradient post-training on rollouts from spinwheel's own engine (built-in task or your JSONL)."""
 
-    algo: Literal["grpo", "rloo", "reinforce-pp", "ppo", "trpo"] = option(
-        "grpo",
-        help="grpo (group-normalised advantages), rloo (leave-one-out baseline), reinforce-pp (REINFORCE++, "
-        "batch-whitened returns), ppo (critic + token GAE + KL penalty), trpo (natural gradient in a "
-        "KL trust region)",
-        choices=ALGOS,
-    )
+    algo: str = option("grpo", help="the algorithm: the command's name (spinwheel.rl.llm.algorithms.ALGORITHMS)")
     model: str = option("runs/sft/checkpoint", help="policy to start from: HF checkpoint directory or preset")
     data: str | None = option(None, help="RL JSONL with {prompt, answer} lines; default: the built-in task")
     eval_fraction: float = option(0.05, help="share of --data lines held out for evaluation")
@@ -127,8 +120,11 @@ class RLConfig:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(**RL_ENGINE_DEFAULTS), metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        if self.algo not in ALGOS:
-            raise ValueError(f"--algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
+        from spinwheel.rl.llm.algorithms import ALGORITHM_OPTIONS, ALGORITHMS  # the registry imports this module
+
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"--algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
+        ALGORITHMS[self.algo].check(self, ALGORITHM_OPTIONS)
         for name in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "minibatches", "eval_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -171,8 +167,6 @@ class RLConfig:
             raise ValueError(f"--kl-target must be > 0, got {self.kl_target}")
         if self.kl_target is not None and self.beta == 0:
             raise ValueError("--kl-target adapts --beta: give a starting --beta > 0")
-        if self.algo == "trpo" and (self.epochs > 1 or self.minibatches > 1):
-            raise ValueError("trpo takes one trust-region step per rollout batch: --epochs 1 --minibatches 1")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"--tis-cap must be > 0, got {self.tis_cap}")
         if self.stop_after is not None and self.stop_after < 1:

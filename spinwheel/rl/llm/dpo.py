@@ -1,5 +1,5 @@
 """Direct preference optimisation (Rafailov et al. 2023) on spinwheel's trainer: sigmoid DPO, conservative DPO
-(label smoothing) and IPO (Azar et al. 2023) from :func:`spinwheel.rl.preference.dpo_loss`.
+(label smoothing) and IPO (Azar et al. 2023) from :func:`spinwheel.rl.llm.preference_losses.dpo_loss`.
 
 A completion's sequence log-prob is the sum of the trainer's per-token log-probs over its tokens (EOS included;
 IPO: their mean, as TRL does). The frozen reference's log-probs are computed once per pair, before training, by a
@@ -32,7 +32,7 @@ from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import DPOConfig
-from spinwheel.rl.llm.pref_loop import RunDirs, check_layout, forward_rows, make_learner, open_logger, train_loop
+from spinwheel.rl.llm.pref_loop import PairJob, check_layout, forward_rows, make_learner, pair_postfix
 from spinwheel.rl.llm.preference_data import (
     PreferencePair,
     pair_tokens,
@@ -42,12 +42,12 @@ from spinwheel.rl.llm.preference_data import (
     split_pairs,
     task_prompts,
 )
-from spinwheel.rl.preference import dpo_loss
+from spinwheel.rl.llm.preference_losses import dpo_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
 from spinwheel.tasks.arithmetic import evaluate as task_evaluate
 from spinwheel.tasks.arithmetic import reward as task_reward
-from spinwheel.train.learners import Learner, distributed_world
-from spinwheel.train.metrics import plot_curves, read_metrics
+from spinwheel.train.learners import Learner, distributed_world, is_main_process
+from spinwheel.train.run import Run
 
 
 def dpo_batch(pairs: Sequence[PreferencePair], pad_id: int, device: str | torch.device = "cpu") -> Batch:
@@ -148,11 +148,14 @@ def with_reference(
 
 
 def _make_pairs(
-    config: DPOConfig, tokenizer: Tokenizer, llm: LLM | None, dims: ParallelDims | None, log: Any
+    config: DPOConfig, tokenizer: Tokenizer, llm: LLM | None, dims: ParallelDims | None, log: Any, max_context: int
 ) -> tuple[list[PreferencePair], int]:
     """The run's pairs (before the reference is attached) and the number dropped as too long."""
     if config.data is not None:
-        return pairs_from_jsonl(config.data, tokenizer, add_eos=True, max_seq_len=config.max_seq_len)
+        say = print if is_main_process() else None
+        return pairs_from_jsonl(
+            config.data, tokenizer, add_eos=True, max_seq_len=config.max_seq_len, max_context=max_context, log=say
+        )
     assert llm is not None
     prompts = task_prompts(tokenizer, ArithmeticTask(config.task).train[: config.num_prompts])
     groups = sample_groups(
@@ -198,8 +201,15 @@ def train_dpo(config: DPOConfig) -> dict[str, Any]:
 
 def _run(config: DPOConfig, distributed: bool) -> dict[str, Any]:
     dims = check_layout(config, distributed)
-    dirs = RunDirs.open(config)
-    source = dirs.ckpt_dir if dirs.state is not None else config.model
+    with Run(config, distributed, f"dpo-{config.loss_type}") as run:
+        if run.finished():
+            return run.finished_result()
+        run.announce_resume()
+        return _train(config, run, dims)
+
+
+def _train(config: DPOConfig, run: Run, dims: ParallelDims | None) -> dict[str, Any]:
+    source = run.ckpt_dir if run.resumed else config.model
     tokenizer = load_tokenizer(source)
     pad_id = tokenizer.pad_id or 0
     load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
@@ -209,9 +219,9 @@ def _run(config: DPOConfig, distributed: bool) -> dict[str, Any]:
     task = ArithmeticTask(config.task) if config.data is None else None
     # Self-generated pairs are sampled on every rank's engine (each its share); evaluation runs on the main rank.
     learner = make_learner(policy, config, dims, engine_copy="all" if task is not None else "main")
-    if dirs.state is not None:
-        learner.load(dirs.ckpt_dir, dirs.state)
-    log = open_logger(learner, dirs)
+    if run.state is not None:
+        learner.load(run.ckpt_dir, run.state)
+    run.open_log(learner.is_main)
     llm = None
     if task is not None and learner.engine_model is not None:
         longest = max(len(ids) for ids in tokenizer.encode_batch([e.prompt for e in task.train + task.test]))
@@ -219,27 +229,14 @@ def _run(config: DPOConfig, distributed: bool) -> dict[str, Any]:
         engine.update(max_model_len=longest + config.max_new_tokens + 1, seed=config.seed)
         llm = LLM(learner.engine_model, tokenizer, **engine)
     loss = DPOLoss(config.beta, config.loss_type, config.label_smoothing, config.nll_weight)
-
-    if dirs.state is not None:  # the pairs and their reference log-probs travel with the checkpoint
-        train_pairs = [PreferencePair(**p) for p in dirs.state["pairs"]["train"]]
-        eval_pairs = [PreferencePair(**p) for p in dirs.state["pairs"]["eval"]]
+    if run.state is not None:  # the pairs and their reference log-probs travel with the checkpoint
+        train_pairs = [PreferencePair(**p) for p in run.state["pairs"]["train"]]
+        eval_pairs = [PreferencePair(**p) for p in run.state["pairs"]["eval"]]
     else:
-        pairs, dropped = _make_pairs(config, tokenizer, llm, dims, log)
-        train_pairs, eval_pairs = split_pairs(pairs, config.eval_fraction, config.seed)
-        eval_pairs = eval_pairs[: config.eval_examples]
-        ref = make_learner(load_model(config.ref_model or config.model, **load), config, dims, frozen=True)
-        train_pairs = with_reference(ref, train_pairs, loss, pad_id, config.batch_size, config.device)
-        eval_pairs = with_reference(ref, eval_pairs, loss, pad_id, config.batch_size, config.device)
-        del ref
-        log(
-            {
-                "step": 0,
-                "num_params": sum(p.numel() for p in set(policy.parameters())),
-                "num_train": len(train_pairs),
-                "num_eval": len(eval_pairs),
-                "num_dropped": dropped,
-            }
-        )
+        context = policy.config.max_position_embeddings
+        train_pairs, eval_pairs, dropped = _reference_pairs(config, tokenizer, llm, dims, run, loss, load, context)
+        counts = dict(num_train=len(train_pairs), num_eval=len(eval_pairs), num_dropped=dropped)
+        run.log({"step": 0, "num_params": sum(p.numel() for p in set(policy.parameters())), **counts})
 
     def evaluate(step: int) -> dict[str, Any]:
         ev: dict[str, Any] = {}
@@ -256,53 +253,52 @@ def _run(config: DPOConfig, distributed: bool) -> dict[str, Any]:
         if task is not None:
             learner.sync_engine_model()  # collective: every rank calls it, the main rank generates
             if learner.is_main and llm is not None:
-                llm.update_weights(learner.engine_model)  # the engine's packed weights and prefix cache are stale
-                examples = task.test[: config.eval_examples]
-                greedy = SamplingParams(temperature=0.0, max_tokens=config.max_new_tokens)
-                ev["eval_exact_match"] = task_evaluate(
-                    lambda texts: [o.outputs[0].text for o in llm.generate(texts, greedy)],
-                    examples,
-                    batch_size=len(examples),
-                ).exact_match
-        log({"step": step, **ev})
+                ev["eval_exact_match"] = _exact_match(config, task, llm, learner)
+        run.log({"step": step, **ev})
         return ev
 
-    def save(step: int) -> None:
+    def save(ckpt_dir, state: dict[str, Any]) -> None:
         pairs = {
             "train": [dataclasses.asdict(p) for p in train_pairs],
             "eval": [dataclasses.asdict(p) for p in eval_pairs],
         }
-        learner.save(dirs.ckpt_dir, tokenizer, {"step": step, "config": dataclasses.asdict(config), "pairs": pairs})
+        learner.save(ckpt_dir, tokenizer, {**state, "pairs": pairs})
 
-    result: dict[str, Any] = {"start_step": dirs.start_step, "num_train": len(train_pairs)}
-    if dirs.state is None:
-        result["eval_before"] = evaluate(0)
     policy.train()
-    history, end_step = train_loop(
-        config,
-        learner,
-        train_pairs,
-        lambda part: dpo_batch(part, pad_id, config.device),
-        loss,
-        start_step=dirs.start_step,
-        log=log,
-        evaluate=evaluate,
-        save=save,
-        desc=f"dpo-{config.loss_type}",
-    )
-    result.update(history=history, end_step=end_step, checkpoint=str(dirs.ckpt_dir))
-    if end_step == config.steps:
-        result["eval_after"] = evaluate(end_step)
-    if learner.is_main:
-        plot_curves(
-            read_metrics(dirs.out_dir / "metrics.jsonl"),
-            dirs.out_dir / "curves.png",
-            [
-                ("loss", f"{config.loss_type} loss"),
-                ("margin", "reward margin (train)"),
-                ("eval_margin", "reward margin (held-out)"),
-                ("eval_exact_match", "held-out exact match"),
-            ],
-            title=f"DPO {config.model}",
-        )
-    return result
+    build = lambda part: dpo_batch(part, pad_id, config.device)  # noqa: E731
+    job = PairJob(config, run, learner, train_pairs, build, loss, evaluate, save)
+    curves = [
+        ("loss", f"{config.loss_type} loss"),
+        ("margin", "reward margin (train)"),
+        ("eval_margin", "reward margin (held-out)"),
+        ("eval_exact_match", "held-out exact match"),
+    ]
+    result = run.train(job, curves, f"DPO {config.model}", pair_postfix)
+    return {**result, "num_train": len(train_pairs)}
+
+
+def _reference_pairs(
+    config, tokenizer, llm, dims, run: Run, loss: DPOLoss, load: dict, max_context: int
+) -> tuple[list, list, int]:
+    """A new run's (train, held-out) pairs, carrying the frozen reference's sequence log-probs, and the number of
+    data lines dropped as too long."""
+    pairs, dropped = _make_pairs(config, tokenizer, llm, dims, run.log, max_context)
+    train_pairs, eval_pairs = split_pairs(pairs, config.eval_fraction, config.seed)
+    eval_pairs = eval_pairs[: config.eval_examples]
+    ref = make_learner(load_model(config.ref_model or config.model, **load), config, dims, frozen=True)
+    pad_id = tokenizer.pad_id or 0
+    train_pairs = with_reference(ref, train_pairs, loss, pad_id, config.batch_size, config.device)
+    eval_pairs = with_reference(ref, eval_pairs, loss, pad_id, config.batch_size, config.device)
+    return train_pairs, eval_pairs, dropped
+
+
+def _exact_match(config: DPOConfig, task: ArithmeticTask, llm: LLM, learner: Learner) -> float:
+    """Greedy exact match on the task's held-out problems (the engine over the trained weights)."""
+    llm.update_weights(learner.engine_model)  # the engine's packed weights and prefix cache are stale
+    examples = task.test[: config.eval_examples]
+    greedy = SamplingParams(temperature=0.0, max_tokens=config.max_new_tokens)
+    return task_evaluate(
+        lambda texts: [o.outputs[0].text for o in llm.generate(texts, greedy)],
+        examples,
+        batch_size=len(examples),
+    ).exact_match

@@ -1,6 +1,6 @@
-"""The loop DPO and reward-model training share: the step's pairs (a pure function of the seed and the step, as
-SFT's batches are, so resuming needs no sampler state) → the trainer batch → one optimizer step of the pair loss
-→ log, evaluate, save atomic checkpoints. Also the learners it runs on and a chunked forward over many pairs.
+"""The step DPO and reward-model training share, on the run harness: the step's pairs (a pure function of the seed
+and the step, as SFT's batches are, so resuming needs no sampler state) → the trainer batch → one optimizer step
+of the pair loss. Also the learners it runs on and a chunked forward over many pairs.
 
 Batches hold ``2·batch_size`` interleaved rows (see :mod:`.preference_data`); every data-parallel shard and
 micro-batch must hold whole pairs, so ``batch_size`` must be divisible by dp × microbatches.
@@ -8,15 +8,12 @@ micro-batch must hold whole pairs, so ``batch_size`` must be divisible by dp × 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import metrics_since
@@ -24,11 +21,9 @@ from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.trainer import Batch, LossFn
 from spinwheel.rl.llm.pref_config import PreferenceConfig
 from spinwheel.rl.llm.preference_data import PreferencePair
-from spinwheel.train.checkpoint import load_trainer_state
-from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, is_main_process
-from spinwheel.train.metrics import MetricsLogger
+from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner
 from spinwheel.train.optim import lr_at
-from spinwheel.train.resume import OBSERVATION_OPTIONS, resume_message, resume_point
+from spinwheel.train.run import Run
 from spinwheel.train.sft_data import batch_indices
 
 BuildBatch = Callable[[Sequence[PreferencePair]], Batch]  # pairs -> trainer batch of 2·len(pairs) rows
@@ -58,31 +53,6 @@ def check_layout(config: PreferenceConfig, distributed: bool) -> ParallelDims | 
     return dims if distributed else None
 
 
-@dataclass
-class RunDirs:
-    out_dir: Path
-    ckpt_dir: Path
-    state: dict[str, Any] | None  # trainer_state.pt of the checkpoint being resumed, if any
-
-    @classmethod
-    def open(cls, config: PreferenceConfig) -> RunDirs:
-        """The run's directories and the checkpoint to resume, if any: refused (ValueError naming the options) when
-        it was trained with settings that change the run's course, unless ``--force``, or when it is past
-        ``--steps``; a resumed run says where it continues and what changed."""
-        out_dir = Path(config.out_dir)
-        ckpt_dir = out_dir / "checkpoint"
-        state = load_trainer_state(ckpt_dir) if config.resume and ckpt_dir.is_dir() else None
-        if state is not None:
-            start_step, changes = resume_point(config, state, ckpt_dir, OBSERVATION_OPTIONS)
-            if is_main_process():
-                print(resume_message(start_step, config.steps, ckpt_dir, changes), flush=True)
-        return cls(out_dir, ckpt_dir, state)
-
-    @property
-    def start_step(self) -> int:
-        return int(self.state["step"]) if self.state is not None else 0
-
-
 def forward_rows(
     learner: Learner,
     pairs: Sequence[PreferencePair],
@@ -101,76 +71,42 @@ def forward_rows(
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def train_loop(
-    config: PreferenceConfig,
-    learner: Learner,
-    pairs: Sequence[PreferencePair],
-    build: BuildBatch,
-    loss_fn: LossFn,
-    *,
-    start_step: int,
-    log: Callable[[dict[str, Any]], None],
-    evaluate: Evaluate,
-    save: Callable[[int], None],
-    desc: str,
-) -> tuple[list[dict[str, Any]], int]:
-    """Steps ``start_step`` .. the end of this run (``steps`` or ``stop_after``); returns (per-step records, the
-    last step). Saves at ``save_every`` and at the end; on Ctrl-C in one process saves where it stopped."""
-    end_step = config.steps if config.stop_after is None else min(config.steps, start_step + config.stop_after)
-    history: list[dict[str, Any]] = []
-    bar = tqdm(
-        range(start_step, end_step),
-        total=config.steps,
-        initial=start_step,
-        desc=desc,
-        disable=not (config.progress and learner.is_main),
-        dynamic_ncols=True,
-        mininterval=1.0 if sys.stderr.isatty() else 10.0,
-    )  # logs (not a terminal) get a line per 10 s
-    t0 = time.perf_counter()
-    try:
-        for step in bar:
-            batch = build([pairs[i] for i in batch_indices(step, config.batch_size, len(pairs), config.seed)])
-            lr = lr_at(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
-            comm_before = learner.comm_metrics()
-            out = learner.train_step(batch, loss_fn, lr)
-            record = {
-                "step": step + 1,
-                **out.stats,
-                "loss": out.loss,
-                "lr": lr,
-                "grad_norm": out.grad_norm,
-                "pairs_per_s": (len(history) + 1) * config.batch_size / (time.perf_counter() - t0),
-                **metrics_since(learner.comm_metrics(), comm_before),  # the step's collectives (torchrun)
-            }
-            log(record)
-            history.append(record)
-            bar.set_postfix(loss=f"{out.loss:.4f}", acc=f"{out.stats.get('accuracy', 0.0):.2f}", refresh=False)
-            done = step + 1
-            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
-                if (ev := evaluate(done)) is not None:
-                    bar.write(
-                        f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float))
-                    )
-            if config.save_every and done % config.save_every == 0 and done < end_step:
-                save(done)
-    except KeyboardInterrupt:
-        bar.close()
-        if learner.distributed:  # peers may be mid-collective: keep the last periodic checkpoint
-            raise
-        save(start_step + len(history))
-        print(f"interrupted: checkpoint saved at step {start_step + len(history)}; rerun the same command to resume")
-        raise
-    bar.close()
-    save(end_step)
-    return history, end_step
+class PairJob:
+    """One optimizer step of a pair loss on the step's pairs (a pure function of the seed and the step), for the
+    harness (:class:`~spinwheel.train.run.Run`); DPO and reward models supply the learner, the pairs, the batch
+    builder, the loss, the evaluation and the checkpoint's extra state."""
+
+    def __init__(
+        self,
+        config: PreferenceConfig,
+        run: Run,
+        learner: Learner,
+        pairs: Sequence[PreferencePair],
+        build: BuildBatch,
+        loss_fn: LossFn,
+        evaluate: Evaluate,
+        save: Callable[[Path, dict[str, Any]], None],
+    ) -> None:
+        self.config, self.run, self.learner, self.pairs = config, run, learner, pairs
+        self.build, self.loss_fn, self.evaluate, self.save = build, loss_fn, evaluate, save
+        self.t0, self.num_steps = time.perf_counter(), 0
+
+    def step(self, step: int) -> dict[str, Any]:
+        c, learner = self.config, self.learner
+        batch = self.build([self.pairs[i] for i in batch_indices(step, c.batch_size, len(self.pairs), c.seed)])
+        lr = lr_at(step, c.lr, c.warmup_steps, c.steps, c.min_lr_ratio)
+        comm_before = learner.comm_metrics()
+        out = learner.train_step(batch, self.loss_fn, lr)
+        self.num_steps += 1
+        return {
+            **out.stats,
+            "loss": out.loss,
+            "lr": lr,
+            "grad_norm": out.grad_norm,
+            "pairs_per_s": self.num_steps * c.batch_size / (time.perf_counter() - self.t0),
+            **metrics_since(learner.comm_metrics(), comm_before),  # the step's collectives (torchrun)
+        }
 
 
-def open_logger(learner: Learner, dirs: RunDirs) -> Callable[[dict[str, Any]], None]:
-    """``log(record)``: appends to metrics.jsonl on the main rank (resumed runs drop records after the step)."""
-    logger = (
-        MetricsLogger(dirs.out_dir, resume_step=dirs.start_step if dirs.state is not None else None)
-        if learner.is_main
-        else None
-    )
-    return logger.log if logger is not None else (lambda record: None)
+def pair_postfix(record: dict[str, Any]) -> dict[str, str]:
+    return {"loss": f"{record['loss']:.4f}", "acc": f"{record.get('accuracy', 0.0):.2f}"}

@@ -8,7 +8,7 @@ Human Feedback" (2022) for the reward-model loss, with Touvron et al., "Llama 2"
 
 Inputs are per-pair tensors ``(B,)``. Each loss is ``Σ_i w_i ℓ_i`` with ``w`` uniform ``1/B`` unless given:
 a trainer that shards the pairs passes ``weights = 1/B_global`` for its rows so the shards' losses add up to the
-global one (the contract of :mod:`spinwheel.rl.token_losses`). Stats are weighted sums with the same ``w``.
+global one (the contract of :mod:`spinwheel.rl.llm.token_losses`). Stats are weighted sums with the same ``w``.
 """
 
 from __future__ import annotations

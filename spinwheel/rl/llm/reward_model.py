@@ -26,7 +26,7 @@ from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import RMConfig
-from spinwheel.rl.llm.pref_loop import RunDirs, check_layout, forward_rows, make_learner, open_logger, train_loop
+from spinwheel.rl.llm.pref_loop import PairJob, check_layout, forward_rows, make_learner, pair_postfix
 from spinwheel.rl.llm.preference_data import (
     PreferencePair,
     arithmetic_pairs,
@@ -37,11 +37,11 @@ from spinwheel.rl.llm.preference_data import (
     split_pairs,
     task_prompts,
 )
-from spinwheel.rl.preference import bradley_terry_loss
+from spinwheel.rl.llm.preference_losses import bradley_terry_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
 from spinwheel.tasks.arithmetic import reward as task_reward
-from spinwheel.train.learners import Learner, distributed_world
-from spinwheel.train.metrics import plot_curves, read_metrics
+from spinwheel.train.learners import Learner, distributed_world, is_main_process
+from spinwheel.train.run import Run
 
 
 class RewardModelError(ValueError):
@@ -134,14 +134,19 @@ def reward_model_fn(
     return score
 
 
-def _pairs(config: RMConfig, tokenizer: Tokenizer) -> tuple[list[PreferencePair], list[PreferencePair], int]:
+def _pairs(
+    config: RMConfig, tokenizer: Tokenizer, max_context: int
+) -> tuple[list[PreferencePair], list[PreferencePair], int]:
     """(train, held-out, dropped) pairs: the task's right answers against random wrong numbers, or the JSONL."""
     if config.data is None:
         task = ArithmeticTask(config.task)
         train = arithmetic_pairs(task.train[: config.num_train_pairs], tokenizer, config.seed, add_eos=False)
         held_out = arithmetic_pairs(task.test[: config.eval_examples], tokenizer, config.seed + 1, add_eos=False)
         return train, held_out, 0
-    pairs, dropped = pairs_from_jsonl(config.data, tokenizer, add_eos=False, max_seq_len=config.max_seq_len)
+    say = print if is_main_process() else None
+    pairs, dropped = pairs_from_jsonl(
+        config.data, tokenizer, add_eos=False, max_seq_len=config.max_seq_len, max_context=max_context, log=say
+    )
     train, held_out = split_pairs(pairs, config.eval_fraction, config.seed)
     if not train:
         raise ValueError(f"{config.data}: too few pairs to train on ({len(pairs)}); add pairs")
@@ -191,8 +196,15 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
 
 def _run(config: RMConfig, distributed: bool) -> dict[str, Any]:
     dims = check_layout(config, distributed)
-    dirs = RunDirs.open(config)
-    source = dirs.ckpt_dir if dirs.state is not None else config.model
+    with Run(config, distributed, "rm") as run:
+        if run.finished():
+            return run.finished_result()
+        run.announce_resume()
+        return _train(config, run, dims)
+
+
+def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, Any]:
+    source = run.ckpt_dir if run.resumed else config.model
     tokenizer = load_tokenizer(source)
     pad_id = tokenizer.pad_id or 0
     model = load_model(
@@ -201,66 +213,37 @@ def _run(config: RMConfig, distributed: bool) -> dict[str, Any]:
     if model.config.num_labels is None:
         model = scalar_head_model(model, seed=config.seed)
     model.config.pad_token_id = pad_id  # HF's sequence classifiers pool the last token that is not the pad
-    train_pairs, eval_pairs, dropped = _pairs(config, tokenizer)
+    train_pairs, eval_pairs, dropped = _pairs(config, tokenizer, model.config.max_position_embeddings)
     mistakes = _policy_mistakes(config, tokenizer, dims) if config.policy is not None else []
     learner = make_learner(model, config, dims)
-    if dirs.state is not None:
-        learner.load(dirs.ckpt_dir, dirs.state)
-    log = open_logger(learner, dirs)
-    if dirs.state is None:
-        log(
-            {
-                "step": 0,
-                "num_params": sum(p.numel() for p in model.parameters()),
-                "num_train": len(train_pairs),
-                "num_eval": len(eval_pairs),
-                "num_policy_pairs": len(mistakes),
-                "num_dropped": dropped,
-            }
-        )
+    if run.state is not None:
+        learner.load(run.ckpt_dir, run.state)
+    run.open_log(learner.is_main)
+    if not run.resumed:
+        counts = dict(num_train=len(train_pairs), num_eval=len(eval_pairs), num_policy_pairs=len(mistakes))
+        num_params = sum(p.numel() for p in model.parameters())
+        run.log({"step": 0, "num_params": num_params, **counts, "num_dropped": dropped})
 
     def evaluate(step: int) -> dict[str, Any]:
         held_out = score_pairs(learner, eval_pairs, pad_id, config.batch_size, config.device)
         ev: dict[str, Any] = {"eval_accuracy": held_out["accuracy"], "eval_margin": held_out["margin"]}
         if mistakes:
-            ev["eval_policy_accuracy"] = score_pairs(learner, mistakes, pad_id, config.batch_size, config.device)[
-                "accuracy"
-            ]
-        log({"step": step, **ev})
+            on_mistakes = score_pairs(learner, mistakes, pad_id, config.batch_size, config.device)
+            ev["eval_policy_accuracy"] = on_mistakes["accuracy"]
+        run.log({"step": step, **ev})
         return ev
 
-    def save(step: int) -> None:
-        learner.save(dirs.ckpt_dir, tokenizer, {"step": step, "config": dataclasses.asdict(config)})
+    def save(ckpt_dir, state: dict[str, Any]) -> None:
+        learner.save(ckpt_dir, tokenizer, state)
 
-    result: dict[str, Any] = {"start_step": dirs.start_step, "num_policy_pairs": len(mistakes)}
-    if dirs.state is None:
-        result["eval_before"] = evaluate(0)
     model.train()
-    history, end_step = train_loop(
-        config,
-        learner,
-        train_pairs,
-        lambda part: rm_batch(part, pad_id, config.device),
-        bradley_terry_pair_loss,
-        start_step=dirs.start_step,
-        log=log,
-        evaluate=evaluate,
-        save=save,
-        desc="rm",
-    )
-    result.update(history=history, end_step=end_step, checkpoint=str(dirs.ckpt_dir))
-    if end_step == config.steps:
-        result["eval_after"] = evaluate(end_step)
-    if learner.is_main:
-        plot_curves(
-            read_metrics(dirs.out_dir / "metrics.jsonl"),
-            dirs.out_dir / "curves.png",
-            [
-                ("loss", "Bradley-Terry loss"),
-                ("accuracy", "train pair accuracy"),
-                ("eval_accuracy", "held-out accuracy (random wrong)"),
-                ("eval_policy_accuracy", "held-out accuracy (policy's mistakes)"),
-            ],
-            title=f"RM {config.model}",
-        )
-    return result
+    build = lambda part: rm_batch(part, pad_id, config.device)  # noqa: E731
+    job = PairJob(config, run, learner, train_pairs, build, bradley_terry_pair_loss, evaluate, save)
+    curves = [
+        ("loss", "Bradley-Terry loss"),
+        ("accuracy", "train pair accuracy"),
+        ("eval_accuracy", "held-out accuracy (random wrong)"),
+        ("eval_policy_accuracy", "held-out accuracy (policy's mistakes)"),
+    ]
+    result = run.train(job, curves, f"RM {config.model}", pair_postfix)
+    return {**result, "num_policy_pairs": len(mistakes)}

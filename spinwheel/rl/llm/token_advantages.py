@@ -109,7 +109,7 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tens
     score at each row's final completion token.
 
     ``scores`` (B,); ``kl`` (B, T) a per-token KL estimate to the reference, usually k1 ``log π_old - log π_ref``
-    (:func:`spinwheel.rl.token_losses.kl_per_token`); ``mask`` (B, T). Returns (B, T), 0 outside the mask; a row
+    (:func:`spinwheel.rl.llm.token_losses.kl_per_token`); ``mask`` (B, T). Returns (B, T), 0 outside the mask; a row
     without tokens gets no score (there is no token to put it on).
     """
     m = mask.to(kl.dtype)

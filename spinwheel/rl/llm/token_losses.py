@@ -192,6 +192,56 @@ def grpo_loss(
     return loss, stats
 
 
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    weights: Tensor,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    kl_estimator: KLEstimator = "k3",
+) -> tuple[Tensor, Stats]:
+    """GSPO loss (Zheng et al. 2025, arXiv 2507.18071, eqs. (5)–(7), negated): the importance ratio and its clip
+    are per *sequence*: ``s_i = (π(y_i|x) / π_old(y_i|x))^(1/|y_i|) = exp(mean_t (logp − old_logp))`` and
+    ``loss = Σ_i ω_i · (-min(s_i·A_i, clip(s_i, 1 − eps_low, 1 + eps_high)·A_i)) + β · Σ w · KL_t``.
+
+    ``weights`` (B, T) from ``token_weights(mask, "seq-mean-token-mean")``: a row's weight ``ω_i = Σ_t w_it`` is the
+    paper's ``1/G`` (over the global batch), and ``w_it / ω_i = 1/|y_i|`` averages the row's log-ratio; rows of
+    weight 0 do not count. ``advantages`` (B,) or (B, T) holding the row's advantage on its tokens.
+
+    stats: ``policy_loss``, ``clip_frac`` (weighted share of sequences whose clip is active), ``ratio_mean`` (of
+    ``s_i``), ``approx_kl`` (token k3 of ``KL(π_old ‖ π)``), ``kl`` (with ``ref_logp``), ``loss``.
+    """
+    row_w = weights.sum(-1)  # (B,)
+    live = weights != 0
+    inner = torch.where(live, weights / row_w.clamp_min(torch.finfo(weights.dtype).tiny)[:, None], 0.0)
+    log_ratio = torch.where(live, logp - old_logp, 0.0)  # (B, T): padding cannot overflow exp
+    log_s = (inner * log_ratio).sum(-1)  # (B,)
+    s = log_s.exp()
+    adv = advantages if advantages.dim() == 1 else (inner * advantages).sum(-1)
+    loss = (row_w * ppo_clip_terms(s, adv, eps_low, eps_high)).sum()
+    with torch.no_grad():
+        w = row_w.detach()
+        clipped = ((s < 1.0 - eps_low) & (adv < 0)) | ((s > 1.0 + eps_high) & (adv > 0))
+        stats = {
+            "policy_loss": loss.detach(),
+            "clip_frac": (w * clipped.to(w.dtype)).sum(),
+            "ratio_mean": (w * s).sum(),
+            "approx_kl": (weights * (torch.expm1(log_ratio) - log_ratio)).sum(),
+            "weight_sum": weights.sum(),
+        }
+    if ref_logp is not None:
+        kl = (weights * kl_per_token(torch.where(live, logp, ref_logp), ref_logp, kl_estimator)).sum()
+        stats["kl"] = kl.detach()
+        loss = loss + beta * kl if beta != 0.0 else loss
+    elif beta != 0.0:
+        raise ValueError(f"beta = {beta} needs ref_logp (the reference model's log-probs)")
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
 def clipped_value_loss(
     values: Tensor,
     old_values: Tensor,

@@ -1,5 +1,5 @@
-"""The GRPO family on the shared rollout loop: what each algorithm makes of a scored rollout batch (advantages,
-and whether it needs a frozen reference) and the per-token loss it hands to the trainer.
+"""The GRPO family: what each makes of a scored rollout batch (advantages) and the per-token loss it hands to the
+trainer.
 
 * **GRPO** (Shao et al. 2024, DeepSeekMath): group-normalised outcome advantages ``(r − mean_g) / std_g``, the
   clipped surrogate per token and ``β·KL(π‖π_ref)`` in the loss. Dr. GRPO (Liu et al. 2025) is
@@ -9,8 +9,8 @@ and whether it needs a frozen reference) and the per-token loss it hands to the 
 * **REINFORCE++** (Hu et al. 2025): per-token returns with the KL to the reference *in the reward* (k1), whitened
   over the whole batch; the loss is the clipped surrogate without a KL term.
 
-The math is in :mod:`spinwheel.rl.llm_advantages` and :mod:`spinwheel.rl.token_losses` (tested against the
-published formulas); this module only wires it.
+The math is in :mod:`spinwheel.rl.llm.token_advantages` and :mod:`spinwheel.rl.llm.token_losses` (tested against
+the published formulas); this module only wires it.
 """
 
 from __future__ import annotations
@@ -19,64 +19,33 @@ import torch
 
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
-from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm_advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
-from spinwheel.rl.token_losses import grpo_loss, truncated_is_weights
+from spinwheel.rl.llm.algorithms.base import Algorithm
+from spinwheel.rl.llm.token_advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
+from spinwheel.rl.llm.token_losses import grpo_loss, truncated_is_weights
+
+# The clipped-surrogate options every member of the family takes.
+SURROGATE = frozenset({"beta", "eps_low", "eps_high", "epochs", "minibatches", "tis_cap", "loss_agg"})
 
 
-class GroupPolicyGradient:
-    """GRPO, RLOO or REINFORCE++ (``config.algo``); see the module docstring."""
+class GroupPolicyGradient(Algorithm):
+    """Outcome advantages from the group of G samples, the clipped surrogate per token, β·KL in the loss."""
 
-    def __init__(self, config: RLConfig) -> None:
-        self.config = config
-        self.kl_in_loss = config.algo in ("grpo", "rloo") and config.beta > 0
-        self.kl_in_reward = config.algo == "reinforce-pp" and config.beta > 0
+    kl_in_loss = True
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.config.beta > 0
-
-    def prepare(
-        self,
-        rewards: torch.Tensor,
-        mask: torch.Tensor,
-        inputs: Batch,
-        old_logprobs: torch.Tensor | None,
-        ref_logprobs: torch.Tensor | None,
-    ) -> dict[str, torch.Tensor]:
-        """Per-row tensors the update reads: here only the advantages."""
+    def prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
         return {"advantages": self.advantages(rewards, mask, old_logprobs, ref_logprobs)}
 
-    def advantages(
-        self,
-        rewards: torch.Tensor,
-        mask: torch.Tensor,
-        old_logprobs: torch.Tensor | None,
-        ref_logprobs: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Per-token advantages (B, T) from rewards (B,) of the rollout batch (rows prompt-major, groups of G);
-        ``old_logprobs`` (B, T) are needed only for REINFORCE++'s KL in the reward."""
-        c, g = self.config, self.config.group_size
-        if c.algo in ("grpo", "trpo"):
-            adv = group_advantages(rewards, g, scale_std=c.scale_rewards)
-        elif c.algo == "rloo":
-            adv = rloo_advantages(rewards, g)
-        else:
-            if self.kl_in_reward:
-                assert old_logprobs is not None and ref_logprobs is not None
-                kl = old_logprobs - ref_logprobs
-            else:
-                kl = torch.zeros_like(mask)
-            return reinforce_pp_advantages(rewards, kl * mask, mask, c.beta if self.kl_in_reward else 0.0)
-        return adv[:, None] * mask
+    def advantages(self, rewards, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
+        """Per-token advantages (B, T): the sequence's outcome advantage on each completion token."""
+        return group_advantages(rewards, self.config.group_size, scale_std=self.config.scale_rewards)[:, None] * mask
 
     def loss(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's contribution to the global loss (weights were computed on the whole minibatch).
-        Without ``old_logprobs`` in ``mb`` the old policy is the one being trained (one update per rollout)."""
+        """The clipped surrogate (and β·KL); without ``old_logprobs`` in ``mb`` the old policy is the one being
+        trained (one update per rollout: the ratio is exactly 1)."""
         c = self.config
         assert out.logprobs is not None
         old, is_weights = mb.get("old_logprobs"), mb.get("is_weights")
-        if old is None:  # one update per rollout: the old policy is the current one (the ratio is exactly 1)
+        if old is None:
             old = out.logprobs.detach()
             if c.tis_cap is not None:
                 is_weights = truncated_is_weights(old, mb["engine_logprobs"], c.tis_cap)
@@ -95,3 +64,38 @@ class GroupPolicyGradient:
         if out.entropy is not None:
             stats["entropy"] = (mb["weights"] * out.entropy).sum()
         return loss, stats
+
+
+class GRPO(GroupPolicyGradient):
+    name = "grpo"
+    summary = "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts"
+    options = SURROGATE | {"kl_estimator", "scale_rewards"}
+
+
+class RLOO(GroupPolicyGradient):
+    name = "rloo"
+    summary = "RLOO (leave-one-out baseline) on engine rollouts"
+    options = SURROGATE | {"kl_estimator"}
+
+    def advantages(self, rewards, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
+        return rloo_advantages(rewards, self.config.group_size)[:, None] * mask
+
+
+class ReinforcePP(GroupPolicyGradient):
+    name = "reinforce-pp"
+    summary = "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts"
+    options = SURROGATE
+    kl_in_loss = False
+
+    @property
+    def reuses_update_logprobs(self) -> bool:
+        return self.config.beta == 0  # a KL in the reward needs the old log-probs before the update
+
+    def advantages(self, rewards, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
+        beta = self.config.beta
+        if beta > 0:
+            assert old_logprobs is not None and ref_logprobs is not None
+            kl = old_logprobs - ref_logprobs
+        else:
+            kl = torch.zeros_like(mask)
+        return reinforce_pp_advantages(rewards, kl * mask, mask, beta)

@@ -4,36 +4,67 @@ whitened advantages, the clipped surrogate and the clipped value loss, with a fi
 
 The critic is a separate scalar-head model initialised from the policy's body
 (:func:`~spinwheel.models.transformer.scalar_head_model`), trained by its own learner on the same layout; its value
-at position t is V(s_t), the state before label t (the alignment :func:`~spinwheel.rl.llm_advantages.token_gae`
-expects). The math is in :mod:`spinwheel.rl.llm_advantages` and :mod:`spinwheel.rl.token_losses`.
+at position t is V(s_t), the state before label t (the alignment :func:`~spinwheel.rl.llm.token_advantages.token_gae`
+expects). The math is in :mod:`spinwheel.rl.llm.token_advantages` and :mod:`spinwheel.rl.llm.token_losses`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
+from spinwheel.models.hf import load_model
+from spinwheel.models.transformer import scalar_head_model
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
-from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm_advantages import AdaptiveKLController, FixedKLController, token_gae, token_rewards, whiten
-from spinwheel.rl.token_losses import clipped_policy_loss, clipped_value_loss, token_weights
-from spinwheel.train.learners import Learner
+from spinwheel.rl.llm.algorithms.base import Algorithm, Parts
+from spinwheel.rl.llm.token_advantages import AdaptiveKLController, FixedKLController, token_gae, token_rewards, whiten
+from spinwheel.rl.llm.token_losses import clipped_policy_loss, clipped_value_loss, token_weights
+from spinwheel.train.checkpoint import load_trainer_state
+from spinwheel.train.learners import OptimConfig
+
+RLConfig = Any  # spinwheel.rl.llm.config.RLConfig, which imports the registry to validate its options
 
 
-class PPO:
+class PPO(Algorithm):
     """PPO with a critic learner (see the module docstring)."""
 
-    def __init__(self, config: RLConfig, critic: Learner) -> None:
-        self.config, self.critic = config, critic
+    name = "ppo"
+    summary = "PPO for LLMs (critic, token-level GAE, KL penalty to the reference) on engine rollouts"
+    options = frozenset(
+        {"beta", "eps_low", "eps_high", "epochs", "minibatches", "tis_cap", "loss_agg", "gamma", "lam", "critic_lr"}
+        | {"value_clip", "whiten_advantages", "kl_target", "kl_horizon"}
+    )
+
+    def __init__(self, config: RLConfig, parts: Parts) -> None:
+        super().__init__(config, parts)
         self.kl = (
             AdaptiveKLController(config.beta, config.kl_target, config.kl_horizon)
             if config.kl_target
             else FixedKLController(config.beta)
         )
+        critic_dir = parts.out_dir / "critic"
+        resuming = parts.resume_step is not None
+        if resuming:
+            model = load_model(critic_dir, dtype=config.dtype, device=config.device)
+        else:
+            model = scalar_head_model(parts.initial_policy(), seed=config.seed)
+        self.critic = parts.make_learner(model, OptimConfig(config.critic_lr, 0.0, config.grad_clip))
+        if resuming:
+            state = load_trainer_state(critic_dir)
+            if state is None or state["step"] != parts.resume_step:
+                raise ValueError(
+                    f"{critic_dir} does not match the policy checkpoint at step {parts.resume_step} (the run "
+                    "stopped between the two saves); rerun with --no-resume to start over"
+                )
+            self.critic.load(critic_dir, state)
+            self.kl.load_state_dict(state["kl_coef"])
 
     @property
-    def needs_reference(self) -> bool:
-        return self.config.beta > 0
+    def reuses_update_logprobs(self) -> bool:
+        return False  # the KL reward needs the old log-probs before the update
 
     def prepare(
         self,
@@ -75,9 +106,12 @@ class PPO:
         assert out.values is not None
         return clipped_value_loss(out.values, mb["old_values"], mb["returns"], mb["weights"], self.config.value_clip)
 
-    def critic_step(self, mb: Batch, mask: torch.Tensor, lr_scale: float) -> dict[str, float]:
+    def minibatch_done(self, mb: Batch, mask: torch.Tensor, lr_scale: float) -> dict[str, float]:
         """One critic update on the policy's minibatch (token-mean weights, the critic's own learning rate)."""
         batch = {k: mb[k] for k in ("input_ids", "labels", "returns", "old_values")}
         batch["weights"] = token_weights(mask, "token-mean")
         out = self.critic.train_step(batch, self.value_loss, self.config.critic_lr * lr_scale)
         return {**out.stats, "critic_grad_norm": out.grad_norm or 0.0, "kl_coef": self.kl.value}
+
+    def save(self, out_dir: Path, state: dict[str, Any]) -> None:
+        self.critic.save(out_dir / "critic", None, {"step": state["step"], "kl_coef": self.kl.state_dict()})

@@ -1,0 +1,137 @@
+"""What an LLM RL algorithm is to the loop: it owns its state and parts and declares what it needs; the loop
+(:mod:`spinwheel.rl.llm.loop`) calls this interface and never names an algorithm.
+
+An algorithm
+
+* declares the options that act for it (``options``: fields of :class:`~spinwheel.rl.llm.config.RLConfig` beyond
+  the shared ones; the others are refused for its command) and where its command's defaults differ (``defaults``);
+* says whether it needs a frozen reference (``needs_reference``) and whether the update's own forward may stand in
+  for the old policy's log-probs (``reuses_update_logprobs``; one update per rollout in one process);
+* turns a scored rollout batch into the per-row tensors its update reads (:meth:`prepare`: advantages, ...);
+* gives the per-token loss (:meth:`loss`) and runs the update (:meth:`update`: by default ``epochs`` passes of
+  ``minibatches`` optimizer steps; TRPO replaces it with its trust-region step);
+* saves and restores what it keeps beside the policy (:meth:`save` / :meth:`load`: PPO's critic).
+
+Adding one is a file with a subclass and a line in the registry (:mod:`spinwheel.rl.llm.algorithms`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from spinwheel.parallel.token_outputs import TokenOutputs
+from spinwheel.parallel.trainer import Batch
+from spinwheel.rl.llm.token_losses import token_weights
+from spinwheel.train.learners import Learner, OptimConfig
+from spinwheel.train.optim import lr_at
+
+RLConfig = Any  # spinwheel.rl.llm.config.RLConfig, which imports the registry to validate its options
+
+
+@dataclasses.dataclass
+class Parts:
+    """What an algorithm may build its parts from: a fresh copy of the initial policy, a learner on the policy's
+    layout, and (resuming) the run's directory and step."""
+
+    initial_policy: Callable[[], Any]
+    make_learner: Callable[[Any, OptimConfig | None], Learner]
+    out_dir: Path
+    resume_step: int | None  # None: a new run
+
+
+class Algorithm:
+    """The interface (see the module docstring); subclasses override what differs."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # the command's one-line help
+    options: ClassVar[frozenset[str]] = frozenset()
+    defaults: ClassVar[dict[str, Any]] = {}
+    loss_agg: str | None = None  # None: the run's --loss-agg
+
+    def __init__(self, config: RLConfig, parts: Parts) -> None:
+        self.config = config
+        self.captured: list[torch.Tensor] = []  # the update's own log-probs, when they stand in for the old policy's
+        self.capture = False
+
+    @property
+    def needs_reference(self) -> bool:
+        return "beta" in self.options and self.config.beta > 0
+
+    @property
+    def reuses_update_logprobs(self) -> bool:
+        """Whether, with one update per rollout, the update's own forward may give the old policy's log-probs
+        (False where they are needed before the update)."""
+        return True
+
+    def prepare(
+        self,
+        rewards: torch.Tensor,
+        mask: torch.Tensor,
+        inputs: Batch,
+        old_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """Per-row tensors (B, T) the update reads, from rewards (B,) of the rollout batch (rows prompt-major,
+        groups of G), its completion ``mask`` (B, T) and the old / reference log-probs (None where not computed)."""
+        raise NotImplementedError
+
+    def loss(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A micro-batch's contribution to the global loss (``mb["weights"]`` were computed on the minibatch)."""
+        raise NotImplementedError
+
+    def _loss(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.capture and out.logprobs is not None:
+            self.captured.append(out.logprobs.detach())
+        return self.loss(out, mb)
+
+    def minibatch_done(self, mb: Batch, mask: torch.Tensor, lr_scale: float) -> dict[str, float]:
+        """Called after each policy optimizer step (PPO steps its critic here); returns figures to average."""
+        return {}
+
+    def update(self, learner: Learner, per_row: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch; the mean figures."""
+        c = self.config
+        b = per_row["input_ids"].shape[0]
+        size = b // c.minibatches
+        sums: dict[str, float] = {}
+        n = 0
+        for epoch in range(c.epochs):
+            gen = torch.Generator().manual_seed((c.seed * 1_000_003 + step) * 97 + epoch)
+            order = torch.randperm(b, generator=gen) if c.minibatches > 1 else None
+            for k in range(c.minibatches):
+                if order is None:  # the whole batch in its order: no copies
+                    mb, mask = {key: v for key, v in per_row.items() if key != "mask"}, per_row["mask"]
+                else:
+                    rows = order[k * size : (k + 1) * size].to(per_row["input_ids"].device)
+                    mb = {key: v[rows] for key, v in per_row.items() if key != "mask"}
+                    mask = per_row["mask"][rows]
+                mb["weights"] = token_weights(mask, self.loss_agg or c.loss_agg, max_len=c.max_new_tokens)
+                total = c.steps * c.updates_per_step
+                lr = lr_at(step * c.updates_per_step + n, c.lr, c.warmup_steps, total, c.min_lr_ratio)
+                out = learner.train_step(mb, self._loss, lr, entropy=True)
+                extra = self.minibatch_done(mb, mask, lr / c.lr)
+                figures = {**out.stats, **extra, "loss": out.loss, "grad_norm": out.grad_norm or 0.0, "lr": lr}
+                for key, v in figures.items():
+                    sums[key] = sums.get(key, 0.0) + v
+                n += 1
+        return {key: v / n for key, v in sums.items()}
+
+    def save(self, out_dir: Path, state: dict[str, Any]) -> None:
+        """Write what the algorithm keeps beside the policy (before the policy's checkpoint: a checkpoint never
+        points at a missing part)."""
+
+    @classmethod
+    def check(cls, config: RLConfig, algorithm_options: frozenset[str]) -> None:
+        """Refuse (one line) an option that does not act for this algorithm but was set away from its default."""
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        for name in sorted(algorithm_options - cls.options):
+            if getattr(config, name) != defaults[name]:
+                acting = ", ".join(sorted(cls.options)) or "none"
+                raise ValueError(
+                    f"--{name.replace('_', '-')} does not act for {cls.name} (its own options: {acting}); drop it"
+                )

@@ -1,0 +1,201 @@
+"""The run harness every training command runs on: one run per output directory (a lock, never stale), nothing
+broken ever saved (non-finite figures or parameters stop the run; the last good checkpoint stays the latest), a
+failing reward saves the steps before it, and Ctrl-C under ``spinwheel launch`` ends every command the same way."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spinwheel.models.hf import load_model
+from spinwheel.tasks.data import write_jsonl
+from spinwheel.train.checkpoint import load_trainer_state
+from spinwheel.train.learners import LocalLearner, OptimConfig
+from spinwheel.train.run import NonFiniteError, Run
+from spinwheel.train.run_dir import LOCK_FILE, RunDirError, RunDirLock
+from spinwheel.train.sft_config import SFTConfig
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SPINWHEEL = [sys.executable, "-m", "spinwheel"]
+TINY_TASK = ["--task-num-digits", "1", "--task-num-train", "20", "--task-num-test", "4", "--no-progress"]
+
+
+# ---- one run per directory ----------------------------------------------------------------------------------------
+
+
+def test_a_second_run_on_the_same_directory_fails_naming_the_holder(tmp_path):
+    with RunDirLock(tmp_path / "run"):
+        with pytest.raises(RunDirError, match=rf"in use by another run \(pid {os.getpid()}\)"):
+            RunDirLock(tmp_path / "run").acquire()
+    with RunDirLock(tmp_path / "run"):  # released on exit: the next run takes it
+        pass
+    assert not (tmp_path / "run" / LOCK_FILE).exists()  # a finished run leaves no trace
+
+
+def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "from spinwheel.train.run_dir import RunDirLock; import sys, time; "
+         "RunDirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
+        RunDirLock(tmp_path).acquire()
+    holder.kill()
+    holder.wait()
+    RunDirLock(tmp_path).acquire().release()  # the kernel dropped the dead process's lock
+
+
+def test_out_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "f").write_text("x")
+    proc = subprocess.run(
+        [*SPINWHEEL, "sft", "--model", "test", "--steps", "1", "--out-dir", str(tmp_path / "f"), "--no-progress"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"spinwheel sft: error: --out-dir {tmp_path / 'f'}: {tmp_path / 'f'} is a file; choose a directory"
+    ]
+
+
+def test_two_sft_commands_on_one_directory(tmp_path):
+    """The second command fails at once with one line naming the first's pid; the first run's log stays whole."""
+    out = tmp_path / "run"
+    args = ["sft", "--model", "test", "--steps", "400", "--eval-every", "0", "--save-every", "0"]
+    args += [*TINY_TASK, "--num-threads", "1", "--out-dir", str(out)]
+    first = subprocess.Popen([*SPINWHEEL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run([*SPINWHEEL, *args], capture_output=True, text=True, env=ENV, timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"spinwheel sft: error: --out-dir {out} is in use by another run (pid {first.pid}); wait for it to end "
+            "or choose another --out-dir"
+        ]
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+    steps = [r for r in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in r]
+    assert [int(r.split('"step": ')[1].split(",")[0]) for r in steps] == list(range(1, len(steps) + 1))
+
+
+# ---- nothing broken is saved --------------------------------------------------------------------------------------
+
+
+class _Job:
+    """A harness job on a tiny model whose step ``bad_step`` goes wrong in the way ``how`` says."""
+
+    def __init__(self, run: Run, bad_step: int, how: str) -> None:
+        self.run, self.bad_step, self.how = run, bad_step, how
+        self.learner = LocalLearner(load_model("test", seed=0), OptimConfig(1e-3))
+        run.open_log(True)
+
+    def step(self, step: int) -> dict:
+        loss = 1.0
+        if step == self.bad_step and self.how == "loss":
+            loss = float("nan")
+        if step == self.bad_step and self.how == "param":
+            with torch.no_grad():
+                next(self.learner.model.parameters())[0, 0] = float("inf")
+        return {"loss": loss, "grad_norm": 0.5}
+
+    def evaluate(self, step: int) -> None:
+        return None
+
+    def save(self, ckpt_dir: Path, state: dict) -> None:
+        self.learner.save(ckpt_dir, None, state)
+
+
+@pytest.mark.parametrize("how", ["loss", "param"])
+def test_a_non_finite_step_stops_without_saving(tmp_path, how):
+    config = SFTConfig(model="test", out_dir=str(tmp_path), steps=10, save_every=2, eval_every=0, progress=False)
+    with Run(config, False, "test") as run:
+        with pytest.raises(NonFiniteError) as e:
+            run.train(_Job(run, bad_step=4, how=how), [("loss", "loss")], "t")  # 0-based: the 5th step
+    assert load_trainer_state(tmp_path / "checkpoint")["step"] == 4  # the last good one stays the latest
+    if how == "loss":
+        assert str(e.value).startswith("step 5: loss = nan is not finite; the run stopped without saving")
+    else:  # found when step 6's checkpoint was due: nothing written
+        assert str(e.value).startswith("step 6: a parameter is not finite; the run stopped without saving")
+    assert f"the last good checkpoint ({tmp_path / 'checkpoint'}, step 4) stays the latest" in str(e.value)
+    assert torch.isfinite(load_model(tmp_path / "checkpoint").lm_head.weight).all()
+
+
+REWARD = """
+calls = 0
+def fn(completions, answers):
+    global calls
+    calls += 1
+    if calls == 3:
+        raise RuntimeError("the grader is down")
+    return [0.0] * len(completions)
+"""
+
+
+def test_a_reward_that_raises_saves_the_steps_before_it(tmp_path):
+    (tmp_path / "flaky_reward.py").write_text(REWARD)
+    args = ["grpo", "--model", "test", "--steps", "10", "--prompts-per-step", "2", "--group-size", "2"]
+    args += ["--max-new-tokens", "2", "--eval-every", "0", "--save-every", "0", "--eval-examples", "2"]
+    args += ["--task-num-digits", "1", "--task-num-train", "10", "--task-num-test", "2", "--no-progress"]
+    args += ["--reward", "flaky_reward:fn", "--out-dir", str(tmp_path / "run")]
+    proc = subprocess.run([*SPINWHEEL, *args], capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "the grader is down" in proc.stderr
+    assert f"checkpoint saved at step 2 in {tmp_path / 'run' / 'checkpoint'}" in proc.stdout
+    assert load_trainer_state(tmp_path / "run" / "checkpoint")["step"] == 2
+
+
+# ---- one interrupt behaviour for every command ----------------------------------------------------------------------
+
+COMMANDS = {
+    "sft": ["--model", "test", "--batch-size", "4", "--eval-every", "0", "--max-new-tokens", "3", *TINY_TASK],
+    "grpo": ["--model", "test", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "3",
+             "--eval-every", "0", "--eval-examples", "2", *TINY_TASK],
+    "dpo": ["--model", "test", "--batch-size", "2", "--eval-every", "0", "--data", "{pairs}", *TINY_TASK],
+    "rm": ["--model", "test", "--batch-size", "2", "--eval-every", "0", *TINY_TASK],
+    "classic": ["--env", "CartPole-v1", "--algo", "ppo", "--num-envs", "2", "--num-steps", "16", "--no-progress"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_ctrl_c_under_spinwheel_launch_saves_and_exits_130(tmp_path, command):
+    """SIGINT to ``spinwheel launch --nproc-per-node 2``: every command's ranks stop after the same step, the
+    checkpoint (classic: ``policy.pt``) is written and the launcher exits 130 without a traceback."""
+    rng = random.Random(0)
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": f"{a + b}0"} for a, b in
+             ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(24))]  # fmt: skip
+    write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    out = tmp_path / "run"
+    args = [a.replace("{pairs}", str(tmp_path / "pairs.jsonl")) for a in COMMANDS[command]]
+    steps = ["--steps", "100000000"] if command == "classic" else ["--steps", "100000", "--save-every", "0"]
+    cmd = [*SPINWHEEL, "launch", "--nproc-per-node", "2", command, *args, *steps, "--out-dir", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 300
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stdout.count("interrupted:") == 1, stdout
+    if command == "classic":
+        assert (out / "policy.pt").is_file()
+    else:
+        step = load_trainer_state(out / "checkpoint")["step"]
+        assert step >= 1 and f"interrupted: checkpoint saved at step {step}" in stdout
