@@ -37,8 +37,16 @@ async def json_response(build: Callable[[], Any], size: int) -> Response:
     and log-prob entries in it) is large: a response of many log-probs takes seconds to build, and every other
     connection would wait that long. Serialised as Starlette's ``JSONResponse`` does."""
 
+    def dumps(obj: Any) -> str:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
     def render() -> bytes:
-        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        # one choice at a time: a single json.dumps of a big response holds the GIL, and so the event loop, until done
+        fields = [
+            f"{dumps(key)}:" + ("[" + ",".join(map(dumps, value)) + "]" if key == "choices" else dumps(value))
+            for key, value in build().items()
+        ]
+        return ("{" + ",".join(fields) + "}").encode()
 
     return Response(await off_loop(size, render), media_type="application/json")
 
