@@ -2,14 +2,16 @@
 preemption mode, on a KV pool small enough that preemption really happens. Not part of the test suite.
 
 For each mode in `--modes` the server runs as a subprocess for its share of `--minutes` while clients send normal
-completions and chat (streaming or not, n > 1, beam search, prompt lists), disconnect mid-stream, leave streams
-unread, hold half-sent headers (slowloris) and send malformed JSON, bad fields, oversized bodies (sized and chunked)
-and non-ASCII keys. Two thirds in, the engine process is SIGKILLed once: 5xx answers and in-stream errors of
-requests overlapping its outage count as injected. RSS (API and engine processes) and `/metrics` are sampled every
-`--sample-s`. It prints requests by status class and checks: no 5xx or in-stream error but injected ones, no
-catch-all 500, no KV block in use once drained, preemptions, the engine back after the kill, RSS slopes of the API
-and engine (until the kill) processes below `--max-rss-slope-mb-min` (a minute or more per mode) over the second half
-of the samples: the first warms caches (oneDNN's of batch shapes, `--engine-onednn-cache-capacity`). Exit 1 on failure.
+completions and chat (streaming or not, n > 1, beam search, prompt lists), disconnect mid-stream, leave streams unread,
+hold half-sent headers (slowloris), send malformed JSON, bad fields, oversized bodies (sized and chunked) and non-ASCII
+keys, and send poisoned but valid requests (extreme beam-search scores, huge echo + logprobs batches, 20,000 chat
+messages), each of which must get its own 400 (or 200) and fail nobody else. Two thirds in, the engine process is
+SIGKILLed once: 5xx answers and in-stream errors of requests overlapping its outage count as injected. RSS (API and
+engine processes) and `/metrics` are sampled every `--sample-s`. It prints requests by status class and checks: no 5xx
+or in-stream error but injected ones, no catch-all 500, no KV block in use once drained, preemptions, the engine back
+after the kill, RSS slopes of the API and engine (until the kill) processes below `--max-rss-slope-mb-min` (a minute or
+more per mode) over the second half of the samples: the first warms caches (oneDNN's of batch shapes,
+`--engine-onednn-cache-capacity`). Exit 1 on failure.
 
     .venv/bin/python benchmarks/soak.py --minutes 6                 # 3 minutes per preemption mode
 """
@@ -50,6 +52,7 @@ class Tally:
     injected: int = 0
     outage: list[float] = field(default_factory=list)
     kill_s: list[float] = field(default_factory=list)  # from the kill until /health said 503, then 200
+    poisoned: Counter = field(default_factory=Counter)  # "name: status" of the poison client's requests
 
     def record(self, kind: str, status: int | str, t0: float, error: str | None = None) -> None:
         """One request's answer; a 5xx, or a stream that ended in an error object, is injected when the request
@@ -194,6 +197,45 @@ async def hostile_client(port: int, model: str, tally: Tally, stop: float, rng: 
         await asyncio.sleep(0.05)  # a steady trickle, not most of the server's work
 
 
+def poisoned_requests(model: str) -> list[tuple[str, dict, int]]:
+    """Valid JSON a client may send to hurt the others: (name, body, the status it must get). Extreme beam-search
+    scores used to raise inside the engine and fail every request in flight; a 1,024-prompt echo with logprobs=20
+    built a 131 MB response on the event loop; 20,000 chat messages stalled it in validation."""
+    beam = {"model": model, "prompt": "hello", "max_tokens": 8, "n": 2, "use_beam_search": True, "temperature": 0}
+    prompts = [("0123456789" * 10)[i % 10 :][:90] for i in range(1024)]
+    return [
+        ("beam length_penalty 700", beam | {"length_penalty": 700}, 400),
+        ("beam length_penalty 1e308", beam | {"length_penalty": 1e308}, 400),
+        ("beam length_penalty -inf", beam | {"length_penalty": -math.inf}, 400),
+        ("beam length_penalty NaN", beam | {"length_penalty": math.nan}, 400),
+        ("echo logprobs 1024 prompts", {"model": model, "prompt": prompts, "echo": True, "logprobs": 20}, 400),
+        ("echo logprobs 32 prompts", {"model": model, "prompt": prompts[:32], "echo": True, "logprobs": 20}, 200),
+        ("20k messages", {"model": model, "messages": [{"role": "user", "content": ""}] * 20_000}, 400),
+    ]
+
+
+async def poison_client(url: str, model: str, tally: Tally, stop: float, rng: random.Random) -> None:
+    """Poisoned-but-valid requests among the normal ones: each must get its own answer (a 400, or a 200 for a big
+    request under the limits) and leave the normal clients untouched."""
+    requests = poisoned_requests(model)
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as client:
+        while time.monotonic() < stop:
+            name, body, want = rng.choice(requests)
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            t0, error = time.monotonic(), None
+            try:  # json.dumps writes NaN and Infinity as Python's (and the server's) parser reads them
+                r = await client.post(path, content=json.dumps(body | {"max_tokens": body.get("max_tokens", 1)}))
+                status = r.status_code
+                if status != want:
+                    error = f"wanted {want}: {r.text[:150]}"
+            except httpx.HTTPError as e:
+                status, error = "closed", repr(e)
+            tally.poisoned[f"{name}: {status}"] += 1
+            tally.record(f"poisoned {name}", status, t0, error)
+            await asyncio.sleep(0.2)
+
+
 async def stalling_client(port: int, model: str, tally: Tally, stop: float, rng: random.Random) -> None:
     """Slowloris connections (half a request head: the server must close them after its 2 s header timeout) and
     streams that are never read (their outputs coalesce while the client does not read: no leaked blocks)."""
@@ -271,6 +313,7 @@ async def soak_mode(args: argparse.Namespace, mode: str, seconds: float) -> bool
     tasks = [normal_client(url, model, tally, stop, random.Random(rng.random())) for _ in range(args.clients)]
     tasks += [hostile_client(port, model, tally, stop, random.Random(rng.random())) for _ in range(2)]
     tasks += [stalling_client(port, model, tally, stop, random.Random(rng.random()))]
+    tasks += [poison_client(url, model, tally, stop, random.Random(rng.random()))]
     if args.kill:
         tasks += [kill_engine(url, pids, start + seconds * 2 / 3, tally, metrics, log.name)]
     sampling = asyncio.ensure_future(sampler(url, pids, args.sample_s, rss, metrics))
@@ -303,7 +346,10 @@ def report(args, mode, seconds, tally: Tally, rss, metrics, drained, log_path) -
     print(f"--- soak, preemption mode {mode}: {seconds:.0f} s, log {log_path}")
     print(f"requests by status: {dict(sorted(tally.status.items()))}; injected faults: {tally.injected}", end="")
     print(f" (engine killed: /health 503 / 200 after {' / '.join(f'{s:.2f}' for s in tally.kill_s)} s)")
-    print(f"unexpected failures: {len(tally.unexpected)}; catch-all 500s: {server_500:.0f}")
+    print(f"poisoned requests: {dict(sorted(tally.poisoned.items()))}")
+    normal = [u for u in tally.unexpected if not u.startswith("poisoned ")]
+    print(f"unexpected failures: {len(tally.unexpected)} ({len(normal)} of normal clients); ", end="")
+    print(f"catch-all 500s: {server_500:.0f}")
     print("".join(f"  {line}\n" for line in tally.unexpected[:5]), end="")
     print(f"KV blocks in use after draining: {leaked:.0f} of {drained['spinwheel_num_kv_blocks']:.0f}; ", end="")
     print(f"preemptions: {preemptions:.0f}")

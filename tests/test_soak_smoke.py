@@ -1,5 +1,6 @@
 """``benchmarks/soak.py`` for a few seconds in one preemption mode, so that the script cannot rot: it must start the
-server, run every kind of client and the engine kill, and pass its own checks (the full soak is a manual run)."""
+server, run every kind of client (the poisoned one too) and the engine kill, and pass its own checks (the full soak
+is a manual run)."""
 
 import ast
 import re
@@ -22,6 +23,8 @@ def test_soak_script_runs_every_client_and_passes_its_checks():
         and by_status.get("4xx", 0) > 0
         and by_status.get("unread stream", 0) + by_status.get("closed", 0) > 0
     ), out
-    assert re.search(r"unexpected failures: 0; catch-all 500s: 0", out), out
+    assert re.search(r"unexpected failures: 0 \(0 of normal clients\); catch-all 500s: 0", out), out
+    poisoned = ast.literal_eval(re.search(r"poisoned requests: (\{.*?\})", out).group(1))
+    assert any(k.endswith(": 400") for k in poisoned), out  # a wrong answer is an unexpected failure above
     assert re.search(r"KV blocks in use after draining: 0 of 48", out), out
     assert "ok   the engine came back after the kill" in out and "FAIL" not in out, out
