@@ -17,7 +17,6 @@ any even-sized slice of rows (a data-parallel shard, a micro-batch) holds whole 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import re
@@ -26,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from spinwheel.engine import LLM, SamplingParams
+from spinwheel.engine import LLM
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.rl.llm.rollout import Prompt, generate_rollout, prompts_from_task
 from spinwheel.tasks.arithmetic import Example
 from spinwheel.tasks.data import describe_skipped, read_preference_jsonl
 
@@ -118,18 +118,8 @@ def arithmetic_pairs(
     ]
 
 
-@dataclass(frozen=True)
-class TaskPrompt:
-    """A prompt to sample completions for, tokenized with BOS, and the answer its completions are rewarded on."""
-
-    text: str
-    ids: tuple[int, ...]
-    answer: str
-
-
-def task_prompts(tokenizer: Tokenizer, examples: Sequence[Example]) -> list[TaskPrompt]:
-    ids = tokenizer.encode_batch([e.prompt for e in examples])
-    return [TaskPrompt(e.prompt, tuple(i), str(e.answer)) for e, i in zip(examples, ids)]
+TaskPrompt = Prompt  # a prompt to sample completions for, tokenized with BOS, and the answer they are rewarded on
+task_prompts = prompts_from_task
 
 
 @dataclass
@@ -151,18 +141,6 @@ class SampledGroups:
         return sum(1 for p in range(len(self.prompts)) if len({self.rewards[i] > 0.5 for i in self.group(p)}) == 2)
 
 
-def _sample_share(
-    llm: LLM, prompts: list[TaskPrompt], first: int, params: SamplingParams, seed: int
-) -> list[tuple[list[int], str]]:
-    requests = [dataclasses.replace(params, seed=seed * 1_000_033 + first + k) for k in range(len(prompts))]
-    out = []
-    for p, result in zip(prompts, llm.generate([list(p.ids) for p in prompts], requests)):
-        if result.error:
-            raise ValueError(f"sampling prompt {p.text!r} failed: {result.error}")
-        out += [(list(c.token_ids), c.text) for c in sorted(result.outputs, key=lambda c: c.index)]
-    return out
-
-
 def sample_groups(
     llm: LLM,
     prompts: list[TaskPrompt],
@@ -174,33 +152,12 @@ def sample_groups(
     reward: Callable[[str, str], float],
     dims: ParallelDims | None = None,
 ) -> SampledGroups:
-    """Sample ``group_size`` completions per prompt on the engine and score each with ``reward(text, answer)``.
-
-    Prompt k is sampled with its own seed (a function of ``seed`` and k; the engine derives sample j's generator
-    from it), so one process and any torchrun layout draw the same completions. Under torchrun (``dims``) each
-    data-parallel rank samples a contiguous share of the prompts and every rank receives all of them.
-    """
-    params = SamplingParams(n=group_size, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
-    dp_size = dims.dp_axis.size if dims is not None else 1
-    if dp_size == 1:
-        samples = _sample_share(llm, prompts, 0, params, seed)
-    else:
-        import torch.distributed as dist
-
-        share = -(-len(prompts) // dp_size)
-        rank = dims.dp_axis.rank  # type: ignore[union-attr]
-        mine = _sample_share(llm, prompts[rank * share : (rank + 1) * share], rank * share, params, seed)
-        gathered: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (rank, mine))
-        by_rank: dict[int, list[tuple[list[int], str]]] = {}
-        for r, part in gathered:  # type: ignore[misc]
-            by_rank.setdefault(r, part)  # tensor / pipeline peers of a data-parallel rank sampled the same share
-        samples = [s for r in range(dp_size) for s in by_rank[r]]
-    texts = [t for _, t in samples]
-    rows = [p for p in prompts for _ in range(group_size)]
-    return SampledGroups(
-        prompts, group_size, [ids for ids, _ in samples], texts, [reward(t, p.answer) for t, p in zip(texts, rows)]
-    )
+    """Sample ``group_size`` completions per prompt with the RL rollout sampler
+    (:func:`~spinwheel.rl.llm.rollout.generate_rollout`, as its step 0: the same seed formula, so one process and
+    any torchrun layout draw the same completions) and score each with ``reward(text, answer)``."""
+    rollout = generate_rollout(llm, prompts, 0, seed, group_size, max_new_tokens, temperature, top_p, dims)
+    rewards = [reward(t, p.answer) for t, p in zip(rollout.texts, rollout.row_prompts)]
+    return SampledGroups(prompts, group_size, rollout.completion_ids, rollout.texts, rewards)
 
 
 def self_generated_pairs(groups: SampledGroups, max_pairs_per_prompt: int = 1) -> list[PreferencePair]:

@@ -104,12 +104,10 @@ def generate_rollout(
     dims: ParallelDims | None = None,
 ) -> Rollout:
     """The step's global rollout; under torchrun each data-parallel rank samples its contiguous share of the
-    prompts, then every rank receives every share (collective over the whole world)."""
+    prompts (the last shares may be shorter), then every rank receives every share (collective over the world)."""
     dp_size = dims.dp_axis.size if dims is not None else 1
     dp_rank = dims.dp_axis.rank if dims is not None else 0
-    if len(prompts) % dp_size:
-        raise ValueError(f"--prompts-per-step {len(prompts)} must be divisible by the data-parallel degree {dp_size}")
-    share = len(prompts) // dp_size
+    share = -(-len(prompts) // dp_size)
     mine = generate_share(
         llm,
         prompts[dp_rank * share : (dp_rank + 1) * share],
