@@ -26,6 +26,26 @@ def test_threads_for_rounds_within_one_and_the_cap(free, cap, want):
     assert threads.threads_for(free, cap) == want
 
 
+@pytest.mark.parametrize(
+    ("current", "cap", "free", "wait", "settled", "want"),
+    [
+        (2, 2, 1.3, 0.6, True, 1),  # we wait for our CPUs: one fewer
+        (4, 4, 1.0, 0.6, False, 1),  # ... or as many as are free, if fewer
+        (2, 2, 1.0, 0.05, True, 2),  # others use a CPU but yield it to us (lower priority): kept
+        (1, 2, 2.0, 0.0, False, 1),  # free, but too soon after the last change (no flapping)
+        (1, 2, 1.0, 0.0, True, 2),  # a probe
+        (1, 4, 3.2, 0.0, True, 3),  # the CPUs measured free
+        (1, 1, 2.0, 0.0, True, 1),  # never above the cap
+    ],
+)
+def test_next_threads(current, cap, free, wait, settled, want):
+    assert threads.next_threads(current, cap, free, wait, settled) == want
+
+
+def test_waits_of_threads_present_in_both_samples():
+    assert threads.waited_seconds({"1": 10**9, "2": 5}, {"1": 3 * 10**9, "3": 10**12}) == 2.0
+
+
 FIT = textwrap.dedent(
     """
     import types
@@ -33,25 +53,31 @@ FIT = textwrap.dedent(
     import torch
 
     torch.set_num_threads(2)
-    clock, cpu = [0.0], [0.0, 0.0]  # seconds; CPU seconds busy machine-wide and ours
+    clock, cpu = [0.0], [0.0, 0.0, 0]  # seconds; CPU seconds busy machine-wide and ours; our threads' wait (ns)
     th.time = types.SimpleNamespace(monotonic=lambda: clock[0])
-    th.sample_cpu = lambda: (cpu[0], cpu[1])
+    th.sample_cpu = lambda: (cpu[0], cpu[1], {"1": cpu[2]})
     th.usable_cpus = lambda: 2
     th._CPUS = 2
 
-    def second(others, ours):  # one second passes: other processes and we use this many CPUs
-        clock[0] += 1.0
-        cpu[0] += others + ours
-        cpu[1] += ours
+    def second(others, ours, wait, seconds=1.0):  # time passes: CPUs others and we use, CPUs' worth we wait
+        clock[0] += seconds
+        cpu[0] += (others + ours) * seconds
+        cpu[1] += ours * seconds
+        cpu[2] += int(wait * seconds * 1e9)
         return th.fit_threads(), torch.get_num_threads()
 
     print(th.fit_threads(), torch.get_num_threads())
-    print(*second(1.0, 1.0))  # a busy process next to us: the core it leaves
+    print(*second(0.0, 2.0, 0.0))  # quiet: as it was
+    print(*second(0.9, 1.1, 0.02))  # others use a CPU, but do not make us wait (lower priority): as it was
+    print(*second(0.67, 1.33, 0.67))  # a busy process takes turns with our threads: one fewer
     clock[0] += 0.5 * th.INTERVAL_S
     print(th.fit_threads(), torch.get_num_threads())  # between measurements: nothing sampled, nothing changed
-    print(*second(0.05, 1.0))  # it went away: torch's count again
+    print(*second(0.05, 1.0, 0.0))  # it went away, but the count changed a moment ago
+    print(*second(1.0, 1.0, 0.0, seconds=th.PROBE_S))  # PROBE_S later: one more tried
+    print(*second(0.67, 1.33, 0.67))  # it still makes us wait: back
+    print(*second(0.0, 1.0, 0.0, seconds=th.PROBE_S))  # it went away: the next probe stays
     torch.set_num_threads(1)  # the user's (or --num-threads) count is the cap from now on
-    print(*second(0.0, 1.0))
+    print(*second(0.0, 1.0, 0.0, seconds=th.PROBE_S))
     """
 )
 
@@ -66,7 +92,7 @@ def run_python(code: str, **env: str) -> list[str]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat (Linux)")
 def test_fit_threads_follows_the_free_cpus_in_a_fresh_process():
-    assert run_python(FIT) == ["2 2", "1 1", "1 1", "2 2", "1 1"]
+    assert run_python(FIT) == ["2 2", "2 2", "2 2", "1 1", "1 1", "1 1", "2 2", "1 1", "2 2", "1 1"]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat (Linux)")
@@ -77,8 +103,8 @@ def test_on_by_default_and_off_with_the_environment_variable():
 
 
 def test_fit_threads_samples_the_real_machine():
-    busy, own = threads.sample_cpu() if threads.enabled() else (0.0, 0.0)
-    assert busy >= 0.0 and own >= 0.0
+    busy, own, waits = threads.sample_cpu() if threads.enabled() else (0.0, 0.0, {"1": 0})
+    assert busy >= 0.0 and own >= 0.0 and waits and min(waits.values()) >= 0
 
 
 def test_serve_passes_num_threads_to_the_engine_process(monkeypatch):
