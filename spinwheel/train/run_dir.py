@@ -26,11 +26,10 @@ class RunDirError(ValueError):
 
 
 def prepare_out_dir(out_dir: Path) -> None:
-    """Create ``out_dir`` (and its parents); a path that is a file is refused in one line."""
-    for parent in [out_dir, *out_dir.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise RunDirError(f"--out-dir {out_dir}: {parent} is a file; choose a directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Create ``out_dir`` (and its parents); an ``out_dir`` that is a file is refused in one line."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunDirError(f"--out-dir {out_dir} is a file; choose a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)  # a parent that is a file: OSError "Not a directory", naming the path
 
 
 class RunDirLock:

@@ -3,7 +3,7 @@
 What a user sees, one line each: a ``--steps`` that is not a whole number of rollouts says how many steps will
 run; a bad option, an unknown environment id or a missing MuJoCo prints ``spinwheel classic: error: …`` naming
 the fix (exit 2); Ctrl-C stops after the current update, saves ``policy.pt``, ``metrics.jsonl`` and the
-learning curve and exits 130; a second Ctrl-C in a single process quits at once, without saving. Under
+learning curve and exits 130 (SIGTERM: 143); a second Ctrl-C in a single process quits at once, without saving. Under
 ``torchrun`` every rank runs this and only rank 0 prints; torchrun forwards its SIGINT to the ranks, so repeated
 signals there only confirm the first.
 """
@@ -76,36 +76,46 @@ def _train(config: ClassicConfig, main_rank: bool) -> int:
             f"note: --steps {config.steps} is not a multiple of one rollout (num_envs × num_steps = "
             f"{config.rollout_size}); training {run_steps} steps ({config.num_updates} updates)"
         )
-    with _stop_on_sigint(hard_stop=launched_world_size() == 1) as stop:
+    with _stop_on_signal(hard_stop=launched_world_size() == 1) as stop:
         result = train(config, stop)
+    code = 128 + (stop.signum or signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     if not main_rank:
-        return 130 if result.get("interrupted") else 0
+        return code if result.get("interrupted") else 0
     if result.get("interrupted"):
         print(
             f"interrupted: saved policy.pt, metrics.jsonl and learning_curve.png in {result['out_dir']} after update "
             f"{result['updates']} of {result['num_updates']} ({result['env_steps']} steps)"
         )
-        return 130
+        return code
     print(f"evaluation: return {result['eval_return_mean']:.1f} ± {result['eval_return_std']:.1f}")
     return 0
 
 
+class _StopEvent(threading.Event):
+    """Set by SIGINT or SIGTERM; ``signum`` says which."""
+
+    signum: int | None = None
+
+
 @contextmanager
-def _stop_on_sigint(hard_stop: bool) -> Iterator[threading.Event]:
-    """While training, SIGINT sets the returned event (the loop stops after the update); with ``hard_stop`` a
-    second SIGINT raises ``KeyboardInterrupt``. Outside the main thread signals cannot be caught: no handler."""
-    stop = threading.Event()
+def _stop_on_signal(hard_stop: bool) -> Iterator[_StopEvent]:
+    """While training, SIGINT and SIGTERM set the returned event (the loop stops after the update, as every
+    training command does, :mod:`spinwheel.train.interrupt`); with ``hard_stop`` a second SIGINT raises
+    ``KeyboardInterrupt``. Outside the main thread signals cannot be caught: no handler."""
+    stop = _StopEvent()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def handler(signum: int, frame: object) -> None:
-        if stop.is_set() and hard_stop:
+        if stop.is_set() and hard_stop and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        stop.signum = stop.signum or signum
         stop.set()
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ from spinwheel.rl.classic.rollout import RolloutCollector
 from spinwheel.rl.classic.trpo import TRPO
 from spinwheel.rl.classic.vpg import VPG
 from spinwheel.rl.losses import explained_variance
+from spinwheel.train.run import NonFiniteError
+from spinwheel.train.run_dir import RunDirLock
 
 ALGORITHMS = {"ppo": PPO, "trpo": TRPO, "vpg": VPG}
 
@@ -52,20 +55,22 @@ def train(config: ClassicConfig, stop: threading.Event | None = None) -> dict:
         dp.close()
 
 
-def _open_metrics(out_dir: Path, dp: DataParallel) -> TextIO | None:
-    """Rank 0 creates ``out_dir`` and opens ``metrics.jsonl`` (other ranks get ``None``); every rank learns whether
-    that worked, so a bad ``--out-dir`` fails all ranks at once (as it fails one process) instead of leaving the
-    peers waiting in a collective."""
-    metrics_file, error = None, None
+def _open_metrics(out_dir: Path, dp: DataParallel) -> tuple[TextIO | None, RunDirLock | None]:
+    """Rank 0 takes ``out_dir`` for this run (a lock: a second run on it fails naming this one's pid) and opens
+    ``metrics.jsonl`` (other ranks get ``None``); every rank learns whether that worked, so a bad ``--out-dir`` fails
+    all ranks at once (as it fails one process) instead of leaving the peers waiting in a collective."""
+    metrics_file, lock, error = None, None, None
     if dp.is_main:
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunDirLock(out_dir).acquire()
             metrics_file = open(out_dir / "metrics.jsonl", "w")
-        except OSError as e:
+        except (OSError, ValueError) as e:
             error = e
+            if lock is not None:
+                lock.release()
     if dp.sum(torch.tensor([float(error is not None)])).item() > 0:
         raise error or OSError(f"rank 0 cannot write to out_dir {str(out_dir)!r}")
-    return metrics_file
+    return metrics_file, lock
 
 
 def _train(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None) -> dict:
@@ -73,25 +78,26 @@ def _train(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None
     torch.manual_seed(config.seed)
     env_slice = dp.shard(config.num_envs)
     envs = VecEnv(config.env, env_slice.stop - env_slice.start, config.seed, env_offset=env_slice.start)
+    lock = None
     try:
-        metrics_file = _open_metrics(Path(config.out_dir), dp)
+        metrics_file, lock = _open_metrics(Path(config.out_dir), dp)
         with metrics_file if metrics_file is not None else contextlib.nullcontext():
             return _run(config, dp, stop, envs, metrics_file)
     finally:
         envs.close()
+        if lock is not None:
+            lock.release()
 
 
 def _run(
     config: ClassicConfig, dp: DataParallel, stop: threading.Event | None, envs: VecEnv, metrics_file: TextIO | None
 ) -> dict:
-    out_dir = Path(config.out_dir)
     policy = ActorCritic(
         envs.single_observation_space, envs.single_action_space, config.hidden_sizes, config.activation
     )
     algorithm = ALGORITHMS[config.algo](policy, config, dp)
     rollout = RolloutCollector(config, dp, envs, policy)
     shuffle_generator = torch.Generator().manual_seed(config.seed + 2)
-
     history: list[dict] = []
     bar = tqdm(
         total=config.num_updates * config.rollout_size,
@@ -101,34 +107,24 @@ def _run(
         desc=f"{config.algo} {config.env}",
     )
     start, start_cpu = time.perf_counter(), time.process_time()
-    env_steps = 0
     interrupted = False
     try:
         for update in range(config.num_updates):
             batch, returns, lengths = rollout.collect()
             lr_scale = 1.0 - update / config.num_updates if config.anneal_lr else 1.0
             stats = algorithm.update(batch, config.num_envs, shuffle_generator, lr_scale)
-            env_steps += config.rollout_size
-            # Episode figures and the stop request travel in one collective: ranks stop at the same update.
-            stop_requested = float(stop is not None and stop.is_set())
+            # Episode figures, the stop request and a non-finite update travel in one collective: ranks stop at the
+            # same update.
+            flags = [float(stop is not None and stop.is_set()), float(_nonfinite(stats) is not None)]
             episodes = dp.sum(
-                torch.tensor(
-                    [sum(returns), float(len(returns)), float(sum(lengths)), stop_requested], dtype=torch.float64
-                )
+                torch.tensor([sum(returns), float(len(returns)), float(sum(lengths)), *flags], dtype=torch.float64)
             )
-            elapsed = time.perf_counter() - start
-            record = {
-                "update": update + 1,
-                "env_steps": env_steps,
-                "time_s": round(elapsed, 3),
-                "env_steps_per_s": env_steps / elapsed,
-                "episodes": int(episodes[1].item()),
-                "episode_return_mean": (episodes[0] / episodes[1]).item() if episodes[1] > 0 else None,
-                "episode_length_mean": (episodes[2] / episodes[1]).item() if episodes[1] > 0 else None,
-                "explained_variance": _explained_variance(batch, dp),
-                "lr_scale": lr_scale,
-                **stats,
-            }
+            if episodes[4] > 0:
+                raise NonFiniteError(
+                    f"update {update + 1}: {_nonfinite(stats) or 'a figure'} is not finite; the run stopped without "
+                    "saving policy.pt"
+                )
+            record = _record(config, update, time.perf_counter() - start, episodes, batch, dp, lr_scale, stats)
             history.append(record)
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
@@ -140,39 +136,83 @@ def _run(
                 interrupted = update + 1 < config.num_updates
                 break
         bar.close()
-        train_seconds = time.perf_counter() - start
-        train_cpu_seconds = time.process_time() - start_cpu
-
-        result = {
-            "algo": config.algo,
-            "env": config.env,
-            "seed": config.seed,
-            "env_steps": env_steps,
-            "train_seconds": train_seconds,
-            "train_cpu_seconds": train_cpu_seconds,
-            "env_steps_per_s": env_steps / max(train_seconds, 1e-9),
-            "world_size": dp.world_size,
-        }
-        if interrupted:
-            result.update(interrupted=True, updates=len(history), num_updates=config.num_updates)
-        else:
-            result.update(_evaluate(policy, rollout, config, dp))
-        if dp.is_main:
-            assert metrics_file is not None
-            metrics_file.write(json.dumps({"interrupted" if interrupted else "eval": result}) + "\n")
-            metrics_file.flush()
-            save_policy(policy, rollout.obs_rms, config, out_dir / "policy.pt")
-            final = None if interrupted else (result["eval_return_mean"], result["eval_return_std"])
-            plot_learning_curve(
-                history,
-                out_dir / "learning_curve.png",
-                title=f"{config.algo} {config.env} seed {config.seed}",
-                final=final,
-            )
-            result["out_dir"] = str(out_dir)
-        return result
+        seconds = (time.perf_counter() - start, time.process_time() - start_cpu)
+        return _finish(config, dp, policy, rollout, history, interrupted, seconds, metrics_file)
     finally:
         bar.close()
+
+
+def _nonfinite(stats: dict) -> str | None:
+    """The first figure of an update's ``stats`` that is not finite, as ``name = value``."""
+    for key, v in stats.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{key} = {v}"
+    return None
+
+
+def _record(
+    config: ClassicConfig,
+    update: int,
+    elapsed: float,
+    episodes: torch.Tensor,
+    batch: Batch,
+    dp: DataParallel,
+    lr_scale: float,
+    stats: dict,
+) -> dict:
+    """One update's line of ``metrics.jsonl``; ``episodes`` = (return sum, episodes, length sum, ...) over ranks."""
+    env_steps = (update + 1) * config.rollout_size
+    return {
+        "update": update + 1,
+        "env_steps": env_steps,
+        "time_s": round(elapsed, 3),
+        "env_steps_per_s": env_steps / elapsed,
+        "episodes": int(episodes[1].item()),
+        "episode_return_mean": (episodes[0] / episodes[1]).item() if episodes[1] > 0 else None,
+        "episode_length_mean": (episodes[2] / episodes[1]).item() if episodes[1] > 0 else None,
+        "explained_variance": _explained_variance(batch, dp),
+        "lr_scale": lr_scale,
+        **stats,
+    }
+
+
+def _finish(
+    config: ClassicConfig,
+    dp: DataParallel,
+    policy: ActorCritic,
+    rollout: RolloutCollector,
+    history: list[dict],
+    interrupted: bool,
+    seconds: tuple[float, float],
+    metrics_file: TextIO | None,
+) -> dict:
+    """Evaluate (unless interrupted) and, on rank 0, write the last metrics line, ``policy.pt`` and the curve."""
+    env_steps = len(history) * config.rollout_size
+    result = {
+        "algo": config.algo,
+        "env": config.env,
+        "seed": config.seed,
+        "env_steps": env_steps,
+        "train_seconds": seconds[0],
+        "train_cpu_seconds": seconds[1],
+        "env_steps_per_s": env_steps / max(seconds[0], 1e-9),
+        "world_size": dp.world_size,
+    }
+    if interrupted:
+        result.update(interrupted=True, updates=len(history), num_updates=config.num_updates)
+    else:
+        result.update(_evaluate(policy, rollout, config, dp))
+    if dp.is_main:
+        out_dir = Path(config.out_dir)
+        assert metrics_file is not None
+        metrics_file.write(json.dumps({"interrupted" if interrupted else "eval": result}) + "\n")
+        metrics_file.flush()
+        save_policy(policy, rollout.obs_rms, config, out_dir / "policy.pt")
+        final = None if interrupted else (result["eval_return_mean"], result["eval_return_std"])
+        title = f"{config.algo} {config.env} seed {config.seed}"
+        plot_learning_curve(history, out_dir / "learning_curve.png", title=title, final=final)
+        result["out_dir"] = str(out_dir)
+    return result
 
 
 def _evaluate(policy: ActorCritic, rollout: RolloutCollector, config: ClassicConfig, dp: DataParallel) -> dict:
