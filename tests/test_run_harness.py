@@ -62,7 +62,7 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"spinwheel sft: error: --out-dir {tmp_path / 'f'}: {tmp_path / 'f'} is a file; choose a directory"
+        f"spinwheel sft: error: --out-dir {tmp_path / 'f'} is a file; choose a directory"
     ]
 
 
