@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-import spinwheel.rl.llm.loop as rl_loop
+import spinwheel.train.run as run_harness
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.engine.config import EngineConfig
 from spinwheel.models.hf import load_model
@@ -200,7 +200,7 @@ def run_spinwheel(args, ckpt: Path, work: Path, run: Run) -> None:
         progress=False,
         engine=EngineConfig(cpu_packed_weights=args.engine_cpu_packed_weights),  # default: the loop's (unpacked)
     )
-    rl_loop.tqdm = lambda steps, **k: _SteppedBar(run, steps, **k)
+    run_harness.tqdm = lambda steps, **k: _SteppedBar(run, steps, **k)  # the harness draws the step loop
     result = train_rl(config)
     for record in result["history"]:
         run.rewards.append(record["reward_mean"])
