@@ -16,8 +16,6 @@ KNOWN_LONG = {
     ("rl/classic/loop.py", "_run"),
     ("rl/llm/dpo.py", "_run"),
     ("rl/llm/loop.py", "_run"),
-    ("server/chat.py", "__call__"),
-    ("server/completions.py", "__call__"),
     ("train/sft.py", "run_sft"),
 }
 
