@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from spinwheel.train.checkpoint import load_trainer_state
-from spinwheel.train.interrupt import StopOnSignal, any_rank
+from spinwheel.train.interrupt import Interrupted, StopOnSignal, any_rank
 from spinwheel.train.learners import Learner, is_main_process
 from spinwheel.train.metrics import MetricsLogger, plot_curves
 from spinwheel.train.resume import OBSERVATION_OPTIONS, finished_message, resume_message, resume_point
@@ -274,6 +274,10 @@ class Run:
     def _save_before_failure(self, job: Job, step: int, stop: StopOnSignal, cause: BaseException) -> None:
         """A step failed before changing any weight: save the steps before it; a wait stopped by Ctrl-C ends as an
         interrupted run (130 / 143), anything else says the checkpoint is there and lets the error speak."""
+        if step == self.start_step:  # nothing trained since the last checkpoint (or the start)
+            if isinstance(cause, KeyboardInterrupt):
+                raise Interrupted(stop.signum or signal.SIGINT, step) from None
+            return
         self.save(job, step)
         if isinstance(cause, KeyboardInterrupt):
             signum = stop.signum or signal.SIGINT
