@@ -190,10 +190,24 @@ def pipeline_reference() -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_stage_mode_keeps_only_each_stage_input(schedule):
-    none = spawn(pipeline_run, 2, args=("none", schedule), timeout_s=180)
-    stage = spawn(pipeline_run, 2, args=("stage", schedule), timeout_s=180)
+def pipeline_runs(rank: int, world_size: int) -> dict[tuple[str, str], dict]:
+    """:func:`pipeline_run` for each (mode, schedule), in one spawned world."""
+    return {(m, schedule): pipeline_run(rank, world_size, m, schedule) for m in MODES for schedule in SCHEDULES}
+
+
+MODES, SCHEDULES = ("none", "stage"), ("gpipe", "1f1b")
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[tuple[str, str], dict]]:
+    return spawn(pipeline_runs, 2, timeout_s=240)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stage_mode_keeps_only_each_stage_input(schedule, runs):
+    none = [r["none", schedule] for r in runs]
+    stage = [r["stage", schedule] for r in runs]
     in_flight = M if schedule == "gpipe" else (2, 1)  # 1F1B: K − s micro-batches in flight on stage s
     for s, (plain, remat) in enumerate(zip(none, stage)):
         flights = in_flight if isinstance(in_flight, int) else in_flight[s]
