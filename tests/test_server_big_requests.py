@@ -89,6 +89,7 @@ def _health_latencies_during(url: str, send) -> tuple[list[float], dict]:
     return latencies, result
 
 
+@pytest.mark.slow
 def test_a_big_response_is_built_off_the_event_loop():
     with BackgroundServer(OpenAIServer(_engine(), MODEL)) as bs:
         body = {"model": MODEL, "prompt": _prompts(200), "echo": True, "logprobs": 20, "max_tokens": 1}
@@ -99,7 +100,8 @@ def test_a_big_response_is_built_off_the_event_loop():
         assert r.status_code == 200 and len(r.content) > 5_000_000
         choices = r.json()["choices"]
         assert len(choices) == 200 and all(len(c["logprobs"]["top_logprobs"]) == 102 for c in choices)
-        assert len(latencies) >= 5 and max(latencies) < 0.5, (result["s"], max(latencies))
+        # on the loop, /health waited for about half of the request (1.3 s of 2.5 s); a busy machine slows both
+        assert len(latencies) >= 5 and max(latencies) < max(0.5, result["s"] / 4), (result["s"], max(latencies))
 
 
 def test_thirty_thousand_messages_are_refused_as_they_are_read():
@@ -111,4 +113,4 @@ def test_thirty_thousand_messages_are_refused_as_they_are_read():
         r = result["r"]
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert "at most 4096" in r.json()["error"]["message"]
-        assert max(latencies, default=0.0) < 0.3, latencies
+        assert max(latencies, default=0.0) < max(0.3, result["s"] / 4), (result["s"], latencies)

@@ -8,6 +8,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from spinwheel.engine import EngineConfig
 from spinwheel.server.engine_client import EngineProcess
 from spinwheel.server.engine_process import EngineSpec
@@ -29,6 +31,7 @@ def _wait(check, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_restarts_leave_no_descriptor_and_no_thread_behind():
     ep = EngineProcess(_spec(), max_restarts=3)
     try:
@@ -43,6 +46,7 @@ def test_restarts_leave_no_descriptor_and_no_thread_behind():
         ep.shutdown()
 
 
+@pytest.mark.slow
 def test_a_replacement_killed_while_starting_uses_the_next_restart():
     gone: list[str] = []
     ep = EngineProcess(_spec(), max_restarts=2, on_exit=gone.append)

@@ -96,6 +96,7 @@ def _post_all(url: str, bodies: dict[str, dict], engine) -> dict[str, tuple[http
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_a_request_the_engine_fails_on_fails_alone(mode, poison_after_validation):
     engine = _engine() if mode == "thread" else EngineProcess(engine_spec())
