@@ -11,13 +11,6 @@ import spinwheel
 ROOT = Path(spinwheel.__file__).parent
 MAX_LINES = 350
 MAX_FUNCTION_LINES = 80
-# Being split in issue 22; remove when done. (path under spinwheel/, function name) allowed over the limit.
-KNOWN_LONG = {
-    ("rl/classic/loop.py", "_run"),
-    ("rl/llm/dpo.py", "_run"),
-    ("rl/llm/loop.py", "_run"),
-    ("train/sft.py", "run_sft"),
-}
 
 
 def module_name(path: Path) -> str:
@@ -107,12 +100,11 @@ def test_the_function_length_check_finds_long_functions():
 
 
 def test_no_function_over_80_lines():
-    long = {
+    over = {
         (path.relative_to(ROOT).as_posix(), name): n
         for path in ROOT.rglob("*.py")
         for name, n in long_functions(path.read_text()).items()
     }
-    over = {k: n for k, n in long.items() if k not in KNOWN_LONG}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {over}"
 
 
