@@ -146,8 +146,8 @@ def _sft_parser(sub: argparse._SubParsersAction) -> None:
         "torchrun with --dp/--tp/--pp/--zero/--fsdp; rerunning resumes from <out-dir>/checkpoint.",
     )
     add_arguments(p, SFTConfig)
-    add_arguments(p, ArithmeticConfig, prefix="task-")
-    add_arguments(p, ParallelConfig)
+    add_arguments(p, ArithmeticConfig, prefix="task-", group="model and data")
+    add_arguments(p, ParallelConfig, group="parallel layout")
 
 
 def _sft_from_args(ns: argparse.Namespace) -> SFTConfig:
@@ -157,6 +157,14 @@ def _sft_from_args(ns: argparse.Namespace) -> SFTConfig:
     config.task = from_args(ArithmeticConfig, ns, prefix="task-")
     config.parallel = from_args(ParallelConfig, ns)
     return config
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The placement options and ``--engine-*`` (generate and serve spell them alike)."""
+    from spinwheel.engine import EngineConfig
+
+    add_arguments(p, PlacementConfig)
+    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"}, group="engine")
 
 
 def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -175,7 +183,6 @@ def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
 def build_parser() -> argparse.ArgumentParser:
     from spinwheel import __version__
     from spinwheel.demo import DemoConfig
-    from spinwheel.engine import EngineConfig
     from spinwheel.rl.classic import command as classic_command
     from spinwheel.rl.llm.command import PREF_COMMANDS, add_pref_parser, add_rl_parser, rl_commands
     from spinwheel.server.serve import ServeConfig
@@ -196,16 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_pref_parser(sub, command, what)
     p = sub.add_parser("generate", help="complete prompts with a checkpoint", description=GenerateConfig.__doc__)
     add_arguments(p, GenerateConfig)
-    add_arguments(p, PlacementConfig)
-    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"})
+    _add_engine_arguments(p)
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
         description="OpenAI-compatible HTTP server on the paged-attention engine.",
     )
     add_arguments(p, ServeConfig)
-    add_arguments(p, PlacementConfig)
-    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"})
+    _add_engine_arguments(p)
     p = sub.add_parser(
         "classic",
         help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",

@@ -47,10 +47,10 @@ def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None
     )
     foreign = ALGORITHM_OPTIONS - cls.options
     add_arguments(p, RLConfig, skip={"algo"} | foreign, defaults=cls.defaults)
-    add_arguments(p, ArithmeticConfig, prefix="task-")
-    add_arguments(p, ParallelConfig)
+    add_arguments(p, ArithmeticConfig, prefix="task-", group="model and data")
+    add_arguments(p, ParallelConfig, group="parallel layout")
     engine_skip = {"dtype", "device", "seed", "max_model_len"}
-    add_arguments(p, EngineConfig, prefix="engine-", skip=engine_skip, defaults=RL_ENGINE_DEFAULTS)
+    add_arguments(p, EngineConfig, prefix="engine-", skip=engine_skip, defaults=RL_ENGINE_DEFAULTS, group="engine")
     for name in sorted(foreign):
         owners = ", ".join(a for a, c in ALGORITHMS.items() if name in c.options)
         flag = name.replace("_", "-")
@@ -91,9 +91,10 @@ def add_pref_parser(sub: argparse._SubParsersAction, command: str, what: str) ->
     cls = DPOConfig if command == "dpo" else RMConfig
     p = sub.add_parser(command, help=what, description=f"{what}; torchrun for data/tensor parallel updates.")
     add_arguments(p, cls)
-    add_arguments(p, ArithmeticConfig, prefix="task-")
-    add_arguments(p, ParallelConfig)
-    add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed", "max_model_len"})
+    add_arguments(p, ArithmeticConfig, prefix="task-", group="model and data")
+    add_arguments(p, ParallelConfig, group="parallel layout")
+    engine_skip = {"dtype", "device", "seed", "max_model_len"}
+    add_arguments(p, EngineConfig, prefix="engine-", skip=engine_skip, group="engine")
     p.set_defaults(out_dir=f"runs/{command}")
 
 
