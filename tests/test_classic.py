@@ -309,6 +309,7 @@ def test_train_writes_outputs_and_is_reproducible(tmp_path):
     assert returns == pytest.approx(first["eval_returns"], rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "algo,kwargs,steps",
     [
@@ -372,6 +373,8 @@ def dp_worker(rank: int, world_size: int, ports: list[int], out_root: str) -> No
         train(quiet(out_dir=os.path.join(out_root, f"dp{i}"), eval_episodes=0, dist_timeout_s=60, **kwargs))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
 def test_data_parallel_equals_single_process(tmp_path):
     ctx = mp.get_context("spawn")

@@ -114,6 +114,8 @@ def test_ctrl_c_saves_the_policy_and_the_curve_and_exits_130(tmp_path):
     check_interrupted_outputs(out, stdout, world_size=1)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ctrl_c_under_torchrun_stops_every_rank_at_one_update_and_saves(tmp_path):
     out = tmp_path / "run"
     # Its own session: killpg below is a terminal's Ctrl-C, which reaches torchrun; torchrun forwards it to ranks.
@@ -142,6 +144,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_one_update_and_saves(tmp_path
     check_interrupted_outputs(out, stdout, world_size=2)
 
 
+@pytest.mark.slow
 def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp_path):
     out = tmp_path / "run"
     proc = run(
@@ -206,6 +209,8 @@ def test_missing_mujoco_or_a_bad_policy_file_is_one_line(args, message, capsys):
     assert captured.err.startswith(f"spinwheel classic: error: {message}"), captured.err
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_bad_out_dir_under_torchrun_fails_every_rank_at_once(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

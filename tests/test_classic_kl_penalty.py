@@ -134,6 +134,8 @@ def _penalty_rank(rank: int, world_size: int, out_root: str) -> None:
     train(quiet(out_dir=os.path.join(out_root, "dp"), dist_timeout_s=60, **SMALL))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_data_parallel_penalty_equals_single_process(tmp_path):
     spawn(_penalty_rank, 2, args=(str(tmp_path),), timeout_s=150)
     train(quiet(out_dir=str(tmp_path / "single"), **SMALL))

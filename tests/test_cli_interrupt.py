@@ -141,6 +141,7 @@ def reference_losses(tmp_path: Path, steps: int) -> list[float]:
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_one_process_saves_the_step_and_resumes_exactly(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "spinwheel", "sft", *SFT, "--out-dir", str(out)]
@@ -157,6 +158,8 @@ def test_ctrl_c_in_one_process_saves_the_step_and_resumes_exactly(tmp_path):
     assert ours == reference_losses(tmp_path, step + 2)  # bit-identical across the interruption
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ctrl_c_under_spinwheel_launch_every_rank_saves_the_same_step(tmp_path):
     out = tmp_path / "run"
     cmd = [*LAUNCH, "sft", *SFT, "--dp", "2", "--out-dir", str(out)]
@@ -172,6 +175,8 @@ def test_ctrl_c_under_spinwheel_launch_every_rank_saves_the_same_step(tmp_path):
     assert ours == pytest.approx(reference_losses(tmp_path, step + 2), rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
     """torchrun's own launcher: the workers save and exit 130 (torchrun then raises its SignalException)."""
     out = tmp_path / "run"
@@ -181,6 +186,8 @@ def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
     assert logged_steps(out) == list(range(1, step + 1))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ctrl_c_under_spinwheel_launch_grpo(tmp_path):
     out = tmp_path / "run"
     proc = interrupt([*LAUNCH, "grpo", *GRPO, "--dp", "2", "--out-dir", str(out)], out, after_steps=2)
@@ -191,6 +198,8 @@ def test_ctrl_c_under_spinwheel_launch_grpo(tmp_path):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r] == list(range(1, step + 1))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_bad_layout_is_one_line_once(tmp_path):
     """A layout that does not fit the world: rank 0 says so once; spinwheel launch exits 2 without tracebacks."""
     args = ["sft", "--model", "test", "--tp", "3", "--out-dir", str(tmp_path)]
@@ -202,6 +211,7 @@ def test_bad_layout_is_one_line_once(tmp_path):
     assert proc.returncode != 0 and proc.stderr.count("spinwheel sft: error:") == 1, proc.stderr
 
 
+@pytest.mark.slow
 def test_one_process_refuses_degrees_and_names_ignored_options(tmp_path):
     """Without torchrun, --tp 2 is an error that says how to launch; --zero 2 is named in a warning, not dropped."""
     args = [sys.executable, "-m", "spinwheel", "sft", "--model", "test", "--out-dir", str(tmp_path), "--steps", "1"]

@@ -60,6 +60,7 @@ def test_hf_generate_stops_at_eos(tmp_path):
     assert hf.generation_config.eos_token_id == tok.eos_id
 
 
+@pytest.mark.slow
 def test_hub_id_through_the_local_cache(tmp_path):
     """``owner/name`` in a Hugging Face cache (the layout ``hf download`` writes) loads with the network
     unreachable; one that is not cached is a one-line error naming the fix."""

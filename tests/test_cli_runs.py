@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from spinwheel.cli import main
 from spinwheel.train.metrics import read_metrics
 
@@ -64,6 +66,7 @@ def losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow
 def test_finished_run_says_so_and_appends_nothing(tmp_path):
     first = sft(tmp_path)
     assert first.returncode == 0, first.stderr
@@ -74,6 +77,7 @@ def test_finished_run_says_so_and_appends_nothing(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_bytes() == before  # no duplicate evaluation lines
 
 
+@pytest.mark.slow
 def test_resume_prints_what_changed_and_refuses_what_breaks_it(tmp_path, capsys):
     assert main(["sft", *ARGS, "--out-dir", str(tmp_path), "--stop-after", "2"]) == 0
     kept = (tmp_path / "metrics.jsonl").read_bytes()
@@ -97,6 +101,7 @@ def test_resume_prints_what_changed_and_refuses_what_breaks_it(tmp_path, capsys)
     assert lrs[7] == lr_at(6, 3e-3, 1, 8, 0.1) and lrs[6] == lr_at(5, 3e-3, 1, 6, 0.1)
 
 
+@pytest.mark.slow
 def test_one_line_data_trains_to_the_end_with_header_and_umask(tmp_path):
     data = tmp_path / "one.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")

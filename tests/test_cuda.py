@@ -162,6 +162,8 @@ def _nccl_layouts(rank: int, world_size: int) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_parallel_trainer_on_nccl_matches_single_process():
     from spinwheel.parallel import spawn
 

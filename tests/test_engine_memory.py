@@ -98,6 +98,7 @@ def _soak_mix(steps: int, **config) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
 def test_engine_rss_stays_flat_over_many_batch_shapes():
     """Hundreds of distinct batch sizes (decodes of 1-30 sequences plus prefill chunks): with oneDNN's default

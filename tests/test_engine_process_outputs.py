@@ -205,6 +205,7 @@ def test_deltas_rebuild_the_engines_outputs_exactly_and_stay_small():
     assert sizes[399] < 1.5 * sizes[20]  # a late delta is about the size of an early one
 
 
+@pytest.mark.slow
 def test_a_failure_handling_the_engines_output_fails_the_requests_and_restarts_the_engine():
     """A bug in the API process's handling of a step (here: the decoder raises) fails the requests in flight with
     an error and restarts the engine process; it never leaves them waiting."""
@@ -243,6 +244,7 @@ def _sse_choices(url: str, body: dict) -> dict[int, dict]:
     return choices
 
 
+@pytest.mark.slow
 def test_http_responses_are_the_same_in_both_modes_streamed_or_not(offline):
     greedy = offline.generate(["hello"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
     bodies = [

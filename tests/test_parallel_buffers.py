@@ -106,6 +106,8 @@ def measured():
     return spawn(run, 2, timeout_s=240)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cb_losses_equal_the_run_without(measured, name):
     for res in measured:
@@ -114,6 +116,8 @@ def test_cb_losses_equal_the_run_without(measured, name):
         assert cb["params"] == off["params"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cb_collectives_fit_the_buffer_and_count(measured, name):
     for res in measured:
@@ -132,6 +136,8 @@ def test_cb_collectives_fit_the_buffer_and_count(measured, name):
         assert off == {"all_gather": 2 * len(cb["shards"]), "reduce_scatter": len(cb["shards"])}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cb_buffers_are_constant_and_reused(measured, name):
     for res in measured:
@@ -194,6 +200,8 @@ CB_LAYOUTS_4 = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_cb_layouts_match_single_process(fidelity_refs):
     check_layouts(spawn(run_layouts, 4, args=(CB_LAYOUTS_4, fidelity_refs), timeout_s=300), CB_LAYOUTS_4)
 
@@ -215,6 +223,8 @@ def zero2_grads(rank: int, world_size: int) -> list[list[tuple[int, int]]]:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_zero2_reduced_gradients_live_in_one_contiguous_buffer(measured):
     for steps in (res["zero2-grads"] for res in measured):
         *views, (flat, num_buckets) = steps[0]

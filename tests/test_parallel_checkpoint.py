@@ -45,6 +45,8 @@ def resume_and_consolidate(rank: int, world_size: int, root: str, refs: dict) ->
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sharded_resume_and_hf_consolidation(tmp_path, fidelity_refs):
     refs = {tied: fidelity_refs[tied, False] for tied in (False, True)}
     results = spawn(resume_and_consolidate, 4, args=(str(tmp_path), refs), timeout_s=240)

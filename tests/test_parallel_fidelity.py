@@ -79,6 +79,8 @@ def refs(fidelity_refs):
     return fidelity_refs
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
 def test_layouts_match_single_process(world_size, layouts, refs):
     results = spawn(run_layouts, world_size, args=(layouts, refs), timeout_s=240)

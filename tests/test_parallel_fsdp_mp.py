@@ -148,6 +148,8 @@ HSDP_LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_hsdp_mixed_precision_matches_single_process_policy():
     refs = {name: reference(4, *_policy(name), shard=2) for name, _ in HSDP_LAYOUTS}
     for res in spawn(run, 4, args=(HSDP_LAYOUTS, refs), timeout_s=300):
@@ -163,6 +165,8 @@ def results(refs):
     }
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("name", [n for n, _ in LAYOUTS])
 def test_mixed_precision_matches_single_process_policy(results, refs, dp, name):
@@ -181,6 +185,8 @@ def test_mixed_precision_matches_single_process_policy(results, refs, dp, name):
         assert dp == 1 or gap > 1e-4, gap
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n, _ in LAYOUTS])
 def test_mixed_precision_bytes_match_formula(results, name):
     got = results[2][0][name]
@@ -210,6 +216,8 @@ def resume(rank: int, world_size: int, path: str) -> tuple[list[float], list[flo
     return uninterrupted, halves
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_mixed_precision_resumes_from_sharded_masters(tmp_path):
     for uninterrupted, halves in spawn(resume, 2, args=(str(tmp_path),), timeout_s=240):
         assert halves == uninterrupted  # the fp32 masters and Adam moments are the whole training state

@@ -86,6 +86,8 @@ def measured():
     return spawn(measure, 4, timeout_s=240)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_replica_all_reduce_overlaps_the_next_units_backward(measured):
     for rank_result in measured:
         log = rank_result["fp32"]["log"]
@@ -105,6 +107,8 @@ def test_replica_all_reduce_overlaps_the_next_units_backward(measured):
         assert len(waits) == LAYERS + 1 and min(waits) > position["backward", 0]  # waited at the end of backward
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp32-cb"])
 def test_hsdp_volume_on_both_axes_matches_formula(measured, name):
     shard_size = 2
@@ -128,6 +132,8 @@ def test_hsdp_volume_on_both_axes_matches_formula(measured, name):
         assert m["stats"] == {op: elements for (op, _), (elements, _) in want.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_hsdp_with_constant_buffers_trains_like_without(measured):
     for rank_result in measured:
         assert rank_result["fp32-cb"]["losses"] == rank_result["fp32"]["losses"]  # sums of two: exact

@@ -72,6 +72,8 @@ def _collectives(rank: int, world_size: int) -> dict:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_collectives_and_counters_on_four_ranks():
     res = spawn(_collectives, 4, timeout_s=90)
     assert res[0]["tp_ranks"] == (0, 1) and res[0]["dp_ranks"] == (0, 2)
@@ -97,6 +99,8 @@ def _silent_peer(rank: int, world_size: int) -> str:
     return "returned"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_missing_peer_times_out_instead_of_hanging():
     res = spawn(_silent_peer, 2, timeout_s=60)
     assert res[0].startswith("raised"), res[0]

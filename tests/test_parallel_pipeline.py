@@ -123,6 +123,8 @@ def test_stage_ranges_are_balanced():
         stage_layer_ranges(2, 3)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_bubble_fraction_matches_formula(first_world):
     # A loaded machine wakes sleeping ranks late, which only ever adds idle time: measure up to three times and
     # keep each setting's smallest bubble.
@@ -138,6 +140,8 @@ def test_bubble_fraction_matches_formula(first_world):
         assert measured == pytest.approx(expected, rel=0.10), (schedule, m, measured, expected)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_1f1b_stores_at_most_k_over_m_of_gpipe_activations(first_world):
     per_rank = [r["activations"] for r in first_world]
     for m in (2, 4, 8):

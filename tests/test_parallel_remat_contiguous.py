@@ -254,6 +254,8 @@ def pa_worker(rank: int, world_size: int) -> dict:
     return {(run, c): pa_run(dims, *run, c) for run in PA_RUNS for c in (False, True)}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_partitioned_checkpoints_in_one_buffer():
     """Pa and Pa+cpu: the buffer holds each rank's slices, S·4·⌈B·T·C / 2⌉ bytes (S = 4 or ⌈4/k⌉ checkpoints)."""
     for res in spawn(pa_worker, TP, timeout_s=240):
@@ -299,6 +301,8 @@ def stage_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_stage_mode_buffer_holds_the_inputs_in_flight():
     for res in spawn(stage_worker, 2, timeout_s=240):
         s = res["stage"]

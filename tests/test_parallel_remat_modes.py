@@ -203,6 +203,7 @@ def runs() -> list[dict[tuple[str, str], dict]]:
     return spawn(pipeline_runs, 2, timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_stage_mode_keeps_only_each_stage_input(schedule, runs):

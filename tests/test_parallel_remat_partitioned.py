@@ -88,6 +88,8 @@ def per_rank() -> list[dict]:
     return spawn(worker, TP, timeout_s=240)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("run", [r for r in RUNS if r[0] != "none"])
 def test_partitioned_checkpoints_hold_one_over_tp(per_rank, run):
     mode, k, partition = run
@@ -104,6 +106,8 @@ def test_partitioned_checkpoints_hold_one_over_tp(per_rank, run):
             assert got["gathered"] - unpartitioned["gathered"] == segments * B * T * C
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("run", [r for r in RUNS if r[0] != "none"])
 def test_losses_and_gradients_equal_the_unpartitioned_run(per_rank, run):
     mode, k, partition = run
@@ -121,6 +125,8 @@ def test_losses_and_gradients_equal_the_unpartitioned_run(per_rank, run):
                 assert (got["grads"][name] == g).all(), (run, name)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_pa_cpu_keeps_the_slices_in_host_memory_and_padding_round_trips(per_rank):
     for res in per_rank:
         for run in RUNS:
@@ -155,6 +161,8 @@ def pipeline_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_stage_mode_partitioned_under_tp_and_pp():
     """Stage 1 keeps M received inputs of X₁ = 4·b·T·C bytes each, whole; partitioned, M·X₁/tp (the schedule frees
     the received tensor's storage; it needs only its shape for the gradient). Stage 0's input is token ids, kept

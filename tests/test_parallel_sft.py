@@ -102,6 +102,8 @@ def assert_same_run(out, single) -> None:
         assert ((got[k] - v).norm() / v.norm().clamp(min=1e-12)).item() <= RTOL, k
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("options", [["--dp", "2"], ["--tp", "2"]], ids=["dp2", "tp2"])
 def test_torchrun_sft_equals_single_process(tmp_path, single, options):
     torchrun(tmp_path, *options)
@@ -110,6 +112,8 @@ def test_torchrun_sft_equals_single_process(tmp_path, single, options):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary dirs left
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_sft_resumes_exactly(tmp_path, single, capsys):
     torchrun(tmp_path, "--zero", "3", "--stop-after", "3")
     assert max(records(tmp_path)) == 3

@@ -3,6 +3,7 @@ cross-entropy (value and gradient) never gathering the logits, and a column→ro
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +59,8 @@ def _pieces(rank: int, world_size: int) -> dict:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_tensor_parallel_pieces_match_dense():
     for res in spawn(_pieces, 2, timeout_s=90):
         for key, err in res.items():

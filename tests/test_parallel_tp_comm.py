@@ -91,6 +91,8 @@ def logs():
     return spawn(_step_log, 2, timeout_s=180)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_all_reduces_forward_and_backward_per_block(logs):
     c = preset_config("test", VOCAB).hidden_size
     act = ("tp", "all_reduce", (BATCH, SEQ, c))
@@ -105,6 +107,8 @@ def test_two_all_reduces_forward_and_backward_per_block(logs):
         assert got["metrics"] == {"comm/tp/all_reduce/calls": 4 * LAYERS + 4, "comm/tp/all_reduce/bytes": 8 * elements}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_remat_reruns_the_forward_reductions_in_backward(logs):
     c = preset_config("test", VOCAB).hidden_size
     act = ("tp", "all_reduce", (BATCH, SEQ, c))
@@ -114,6 +118,8 @@ def test_remat_reruns_the_forward_reductions_in_backward(logs):
         assert got["backward"] == [act] * (4 * LAYERS + 1)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ddp_counters_are_on_the_dp_axis(logs):
     ddp = logs[0]["ddp"]
     assert set(ddp["metrics"]) == {"comm/dp/all_reduce/calls", "comm/dp/all_reduce/bytes"}
@@ -121,6 +127,8 @@ def test_ddp_counters_are_on_the_dp_axis(logs):
     assert ddp["metrics"]["comm/dp/all_reduce/calls"] >= 1
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_sft_logs_each_steps_collectives(tmp_path):
     # Every example has the same length, so each step's batch is (B, T) with T known in advance.
     prompt, completion = "12+34=", "46"

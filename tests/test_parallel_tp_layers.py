@@ -107,6 +107,8 @@ def results():
     return spawn(_layers, TP, timeout_s=120)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("gather_output", [True, False])
 def test_column_parallel_linear_matches_dense(results, gather_output):
     n = SHAPE[0] * SHAPE[1]
@@ -118,6 +120,8 @@ def test_column_parallel_linear_matches_dense(results, gather_output):
         assert got["total"] == {**got["forward"], "all_reduce": 2 * n * IN}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("input_is_parallel", [True, False])
 def test_row_parallel_linear_matches_dense(results, input_is_parallel):
     n = SHAPE[0] * SHAPE[1]

@@ -125,6 +125,8 @@ def test_reference_outputs_are_the_formula():
     assert torch.allclose(out.entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
 def test_pluggable_loss_and_forward_match_single_process(world_size, layouts, refs):
     results = spawn(worker, world_size, args=(layouts, refs), timeout_s=240)

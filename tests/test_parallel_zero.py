@@ -57,6 +57,8 @@ def measured():
     return spawn(measure, WORLD, timeout_s=180)[0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS) + list(MIXED))
 def test_memory_matches_zero_formulas(measured, name):
     m = measured[name]
@@ -67,6 +69,8 @@ def test_memory_matches_zero_formulas(measured, name):
     assert sum(got.values()) == pytest.approx(want["total"], rel=0.05)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_communication_volume_matches_zero_accounting(measured):
     psi = measured["ddp"]["num_params"]
     volume = {name: sum(measured[name]["elements"].values()) for name in LAYOUTS}

@@ -121,6 +121,8 @@ def _parallel_worker(rank: int, world_size: int, tmp_path) -> dict[str, list[flo
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_ranks_train_like_one_process(tmp_path):
     _write_pairs(tmp_path / "pairs.jsonl")
     single = train_rm(_config(tmp_path, "single"))

@@ -191,6 +191,8 @@ def _layout_worker(rank: int, world_size: int, root: str) -> None:
         train_rl(small_config(f"{root}/{name}", parallel=ParallelConfig(**kwargs)))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_layouts_match_one_process(tmp_path):
     """GRPO under dp 2, ZeRO-3, tp 2 and pp 2 draws the same rollouts and takes the same steps as one process."""
     train_rl(small_config(tmp_path / "one"))

@@ -129,6 +129,8 @@ def _trpo_worker(rank: int, world_size: int) -> list[list[float]]:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_trpo_data_parallel_equals_one_process():
     """Fisher-vector products, gradients and line-search values all-reduced: two ranks take one process's step,
     also with the products on half the rows (picked on the global batch)."""
