@@ -56,18 +56,22 @@ def test_an_infinite_temperature_or_penalty_is_a_400(server, field):
 
 
 POISON_MARK = 1.25  # a valid length_penalty that the patched mapping below turns into one that raises in the engine
+STOP_MARK = 0.125  # a valid frequency_penalty that the patched mapping turns into a stop "string" that is an int
 
 
 @pytest.fixture
 def poison_after_validation(monkeypatch):
-    """Requests with ``length_penalty == POISON_MARK`` reach the engine with 700: what a validation gap would let
-    through (the parameters are built in the API process, so this reaches an engine process too)."""
+    """Requests with ``length_penalty == POISON_MARK`` reach the engine with 700, those with ``frequency_penalty ==
+    STOP_MARK`` with ``stop=[5]``, which raises where stop strings are checked (the engine's output processor on
+    a thread; the API process's delta decoder with an engine process): what a validation gap would let through."""
     real = ServedModel.sampling_params
 
     def sampling_params(self, body, *args, **kwargs):
         params = real(self, body, *args, **kwargs)
         if body.length_penalty == POISON_MARK:
             params.length_penalty = 700.0
+        if body.frequency_penalty == STOP_MARK:
+            params.stop = [5]
         return params
 
     monkeypatch.setattr(ServedModel, "sampling_params", sampling_params)
@@ -96,19 +100,27 @@ def _post_all(url: str, bodies: dict[str, dict], engine) -> dict[str, tuple[http
     return results
 
 
+POISONED = {
+    "beam": (BEAM | {"length_penalty": POISON_MARK}, "OverflowError"),
+    "stop": ({"model": MODEL, "prompt": "hello", "max_tokens": 8, "frequency_penalty": STOP_MARK}, "TypeError"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_a_request_the_engine_fails_on_fails_alone(mode, poison_after_validation):
+@pytest.mark.parametrize(
+    ("mode", "kind"), [("thread", "beam"), ("process", "beam"), ("thread", "stop"), ("process", "stop")]
+)
+def test_a_request_the_engine_fails_on_fails_alone(mode, kind, poison_after_validation):
     engine = _engine() if mode == "thread" else EngineProcess(engine_spec())
     with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
         bodies = {f"normal{i}": _normal(i) for i in range(4)}
         alone = {name: httpx.post(bs.url + "/v1/completions", json=b, timeout=120).json() for name, b in bodies.items()}
-        bodies["poisoned"] = BEAM | {"length_penalty": POISON_MARK}
+        bodies["poisoned"], exception = POISONED[kind]
         results = _post_all(bs.url, bodies, engine)
         r, poisoned_at = results.pop("poisoned")
         assert r.status_code == 500, r.text
         err = r.json()["error"]
-        assert err["type"] == "server_error" and "beam search" in err["message"] and "OverflowError" in err["message"]
+        assert err["type"] == "server_error" and exception in err["message"] and "not affected" in err["message"]
         for name, (r, answered_at) in results.items():
             assert r.status_code == 200, (name, r.text)
             assert r.json()["choices"][0]["text"] == alone[name]["choices"][0]["text"]

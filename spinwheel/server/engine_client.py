@@ -28,7 +28,8 @@ from typing import Any
 import torch.multiprocessing as torch_mp  # registers the reducers that share a model's tensors with the child
 
 from spinwheel.engine import EngineStats, RequestOutput, SamplingParams
-from spinwheel.server.async_engine import EngineDeadError, Stream, StreamingEngine
+from spinwheel.engine.isolation import INTERNAL_ERROR
+from spinwheel.server.async_engine import EngineDeadError, EngineStepError, Stream, StreamingEngine
 from spinwheel.server.engine_process import EngineInfo, EngineSnapshot, EngineSpec, dumps, run_engine_process
 from spinwheel.server.output_deltas import DeltaDecoder, RequestDelta
 
@@ -271,9 +272,12 @@ class EngineProcess(StreamingEngine):
 
     def _on_step(self, deltas: list[RequestDelta], step_s: float, snapshot: EngineSnapshot) -> None:
         decoder = self._decoder
-        outputs = [out for d in deltas if (out := decoder.decode(d)) is not None]
-        for command in decoder.take_commands():  # stop strings found: stop those samples, free their blocks
+        outputs, failed = decoder.decode_all(deltas)
+        for command in decoder.take_commands():  # stop strings found (or decoding failed): stop, abort, free
             self._child.post(command)
+        for request_id, e in failed:
+            error = f"{INTERNAL_ERROR}the server failed on this request's output ({type(e).__name__}: {e})"
+            self._on_failed([request_id], EngineStepError(f"{error}; the other requests were not affected"))
         self._snapshot = snapshot
         if outputs:
             self._last_progress = time.monotonic()

@@ -16,6 +16,7 @@ one sample of several, ``("abort", request_id)`` once the whole request is done,
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -25,6 +26,8 @@ from spinwheel.engine.detokenizer import OutputText
 from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.sequence import SequenceGroup, SequenceStatus
 from spinwheel.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _RUNNING = SequenceStatus.RUNNING
 
@@ -173,6 +176,23 @@ class DeltaDecoder:
         """The engine commands the deltas decoded so far call for (stop a sample, abort a request)."""
         commands, self._commands = self._commands, []
         return commands
+
+    def decode_all(self, deltas: list[RequestDelta]) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
+        """The outputs of a step's deltas, and (request id, exception) for each request whose delta could not be
+        decoded (its text, its stop strings): that request alone fails — forgotten here, aborted in the engine."""
+        outputs, failed = [], []
+        for delta in deltas:
+            try:
+                out = self.decode(delta)
+            except Exception as e:  # noqa: BLE001 - one request's failure; the others' outputs go on
+                logger.error("request %s failed decoding its output; the others go on", delta.request_id, exc_info=e)
+                self.forget(delta.request_id)
+                self._commands.append(("abort", delta.request_id))
+                failed.append((delta.request_id, e))
+                continue
+            if out is not None:
+                outputs.append(out)
+        return outputs, failed
 
     def decode(self, delta: RequestDelta) -> RequestOutput | None:
         req = self._requests.get(delta.request_id)
