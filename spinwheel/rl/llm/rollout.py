@@ -58,28 +58,10 @@ def sample_seed(seed: int, step: int, prompt_index: int) -> int:
 
 
 def generate_share(
-    llm: LLM,
-    prompts: list[Prompt],
-    first_index: int,
-    step: int,
-    seed: int,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
+    llm: LLM, prompts: list[Prompt], params: list[SamplingParams]
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """Sample ``group_size`` completions for each prompt (global indices ``first_index + k``) on ``llm``."""
-    params = [
-        SamplingParams(
-            n=group_size,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_new_tokens,
-            seed=sample_seed(seed, step, first_index + k),
-            logprobs=0,
-        )
-        for k in range(len(prompts))
-    ]
+    """Sample each prompt with its ``params`` on ``llm``: the completions' token ids, engine log-probs and texts,
+    prompt-major."""
     outs = llm.generate([list(p.ids) for p in prompts], params)
     ids, logps, texts = [], [], []
     for p, out in zip(prompts, outs):
@@ -108,17 +90,20 @@ def generate_rollout(
     dp_size = dims.dp_axis.size if dims is not None else 1
     dp_rank = dims.dp_axis.rank if dims is not None else 0
     share = -(-len(prompts) // dp_size)
-    mine = generate_share(
-        llm,
-        prompts[dp_rank * share : (dp_rank + 1) * share],
-        dp_rank * share,
-        step,
-        seed,
-        group_size,
-        max_new_tokens,
-        temperature,
-        top_p,
-    )
+    first = dp_rank * share
+    own = prompts[first : first + share]
+    params = [
+        SamplingParams(
+            n=group_size,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_new_tokens,
+            seed=sample_seed(seed, step, first + k),  # the prompt's global index: the same samples on any layout
+            logprobs=0,
+        )
+        for k in range(len(own))
+    ]
+    mine = generate_share(llm, own, params)
     if dp_size == 1:
         ids, logps, texts = mine
     else:

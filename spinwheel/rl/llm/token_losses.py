@@ -155,6 +155,29 @@ def clipped_policy_loss(
     return loss, stats
 
 
+def _with_kl_penalty(
+    loss: Tensor,
+    stats: Stats,
+    logp: Tensor,
+    ref_logp: Tensor | None,
+    weights: Tensor,
+    beta: float,
+    kl_estimator: KLEstimator,
+) -> tuple[Tensor, Stats]:
+    """``loss + β · Σ w · KL_t`` to the frozen reference (``KL_t``: :func:`kl_per_token`, 0 on padding whatever it
+    holds); ``stats`` gains ``kl`` whenever ``ref_logp`` is given (logged at β = 0 too) and ``loss``."""
+    if ref_logp is not None:
+        live_logp = torch.where(weights != 0, logp, ref_logp)
+        kl = (weights * kl_per_token(live_logp, ref_logp, kl_estimator)).sum()
+        stats["kl"] = kl.detach()
+        if beta != 0.0:
+            loss = loss + beta * kl
+    elif beta != 0.0:
+        raise ValueError(f"beta = {beta} needs ref_logp (the reference model's log-probs)")
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -180,16 +203,7 @@ def grpo_loss(
     ``loss``.
     """
     loss, stats = clipped_policy_loss(logp, old_logp, advantages, weights, eps_low, eps_high, is_weights)
-    if ref_logp is not None:
-        live_logp = torch.where(weights != 0, logp, ref_logp)  # KL 0 on padding, whatever it holds
-        kl = (weights * kl_per_token(live_logp, ref_logp, kl_estimator)).sum()
-        stats["kl"] = kl.detach()
-        if beta != 0.0:
-            loss = loss + beta * kl
-    elif beta != 0.0:
-        raise ValueError(f"beta = {beta} needs ref_logp (the reference model's log-probs)")
-    stats["loss"] = loss.detach()
-    return loss, stats
+    return _with_kl_penalty(loss, stats, logp, ref_logp, weights, beta, kl_estimator)
 
 
 def gspo_loss(
@@ -232,14 +246,7 @@ def gspo_loss(
             "approx_kl": (weights * (torch.expm1(log_ratio) - log_ratio)).sum(),
             "weight_sum": weights.sum(),
         }
-    if ref_logp is not None:
-        kl = (weights * kl_per_token(torch.where(live, logp, ref_logp), ref_logp, kl_estimator)).sum()
-        stats["kl"] = kl.detach()
-        loss = loss + beta * kl if beta != 0.0 else loss
-    elif beta != 0.0:
-        raise ValueError(f"beta = {beta} needs ref_logp (the reference model's log-probs)")
-    stats["loss"] = loss.detach()
-    return loss, stats
+    return _with_kl_penalty(loss, stats, logp, ref_logp, weights, beta, kl_estimator)
 
 
 def clipped_value_loss(
