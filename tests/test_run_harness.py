@@ -199,3 +199,33 @@ def test_ctrl_c_under_spinwheel_launch_saves_and_exits_130(tmp_path, command):
     else:
         step = load_trainer_state(out / "checkpoint")["step"]
         assert step >= 1 and f"interrupted: checkpoint saved at step {step}" in stdout
+
+
+HANGING_REWARD = """
+import time
+calls = 0
+def fn(completions, answers):
+    global calls
+    calls += 1
+    if calls == 3:
+        print("hanging", flush=True)
+        time.sleep(1000)
+    return [0.0] * len(completions)
+"""
+
+
+def test_ctrl_c_stops_a_hanging_reward_and_saves_the_steps_before_it(tmp_path):
+    (tmp_path / "hanging_reward.py").write_text(HANGING_REWARD)
+    args = ["grpo", "--model", "test", "--steps", "10", "--prompts-per-step", "2", "--group-size", "2"]
+    args += ["--max-new-tokens", "2", "--eval-every", "0", "--save-every", "0", "--eval-examples", "2", *TINY_TASK]
+    args += ["--reward", "hanging_reward:fn", "--out-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [*SPINWHEEL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path
+    )
+    assert proc.stdout.readline().strip() == "hanging"  # step 3's reward call never returns
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert f"interrupted: checkpoint saved at step 2 in {tmp_path / 'run' / 'checkpoint'}" in stdout
+    assert load_trainer_state(tmp_path / "run" / "checkpoint")["step"] == 2
