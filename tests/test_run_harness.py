@@ -40,6 +40,7 @@ def test_a_second_run_on_the_same_directory_fails_naming_the_holder(tmp_path):
     assert not (tmp_path / "run" / LOCK_FILE).exists()  # a finished run leaves no trace
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "from spinwheel.train.run_dir import RunDirLock; import sys, time; "
@@ -54,6 +55,7 @@ def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
     RunDirLock(tmp_path).acquire().release()  # the kernel dropped the dead process's lock
 
 
+@pytest.mark.slow
 def test_out_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "f").write_text("x")
     proc = subprocess.run(
@@ -66,6 +68,7 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_two_sft_commands_on_one_directory(tmp_path):
     """The second command fails at once with one line naming the first's pid; the first run's log stays whole."""
     out = tmp_path / "run"
@@ -142,6 +145,7 @@ def fn(completions, answers):
 """
 
 
+@pytest.mark.slow
 def test_a_reward_that_raises_saves_the_steps_before_it(tmp_path):
     (tmp_path / "flaky_reward.py").write_text(REWARD)
     args = ["grpo", "--model", "test", "--steps", "10", "--prompts-per-step", "2", "--group-size", "2"]
@@ -214,6 +218,7 @@ def fn(completions, answers):
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_hanging_reward_and_saves_the_steps_before_it(tmp_path):
     (tmp_path / "hanging_reward.py").write_text(HANGING_REWARD)
     args = ["grpo", "--model", "test", "--steps", "10", "--prompts-per-step", "2", "--group-size", "2"]
