@@ -32,12 +32,18 @@ from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import DPOConfig
-from spinwheel.rl.llm.pref_loop import PairJob, check_layout, forward_rows, make_learner, pair_postfix
+from spinwheel.rl.llm.pref_loop import (
+    PairJob,
+    check_layout,
+    forward_rows,
+    make_learner,
+    pair_postfix,
+    sample_policy,
+)
 from spinwheel.rl.llm.preference_data import (
     PreferencePair,
     pair_tokens,
     pairs_from_jsonl,
-    sample_groups,
     self_generated_pairs,
     split_pairs,
     task_prompts,
@@ -45,7 +51,6 @@ from spinwheel.rl.llm.preference_data import (
 from spinwheel.rl.llm.preference_losses import dpo_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
 from spinwheel.tasks.arithmetic import evaluate as task_evaluate
-from spinwheel.tasks.arithmetic import reward as task_reward
 from spinwheel.train.learners import Learner, distributed_world, is_main_process
 from spinwheel.train.run import Run
 
@@ -158,17 +163,7 @@ def _make_pairs(
         )
     assert llm is not None
     prompts = task_prompts(tokenizer, ArithmeticTask(config.task).train[: config.num_prompts])
-    groups = sample_groups(
-        llm,
-        prompts,
-        config.group_size,
-        config.max_new_tokens,
-        config.temperature,
-        config.top_p,
-        config.seed,
-        task_reward,
-        dims,
-    )
+    groups = sample_policy(llm, prompts, config, dims)
     pairs = self_generated_pairs(groups, config.pairs_per_prompt)
     log(
         {

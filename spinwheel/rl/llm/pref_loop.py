@@ -15,12 +15,15 @@ from typing import Any
 
 import torch
 
+from spinwheel.engine import LLM
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.trainer import Batch, LossFn
 from spinwheel.rl.llm.pref_config import PreferenceConfig
-from spinwheel.rl.llm.preference_data import PreferencePair
+from spinwheel.rl.llm.preference_data import PreferencePair, SampledGroups, sample_groups
+from spinwheel.rl.llm.rollout import Prompt
+from spinwheel.tasks.arithmetic import reward as task_reward
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner
 from spinwheel.train.optim import lr_at
 from spinwheel.train.run import Run
@@ -51,6 +54,17 @@ def check_layout(config: PreferenceConfig, distributed: bool) -> ParallelDims | 
     dims = config.parallel.make_dims()  # a readable error for e.g. --tp 2 without torchrun
     config.parallel.check_batch(config.batch_size, dims.dp, what="--batch-size (pairs)")
     return dims if distributed else None
+
+
+def sample_policy(
+    llm: LLM, prompts: list[Prompt], config: PreferenceConfig, dims: ParallelDims | None
+) -> SampledGroups:
+    """The policy's ``config.group_size`` samples of each task prompt on ``llm`` (the RL rollout sampler at step 0,
+    with the run's seed and sampling options), scored by the task reward."""
+    c = config
+    return sample_groups(
+        llm, prompts, c.group_size, c.max_new_tokens, c.temperature, c.top_p, c.seed, task_reward, dims
+    )
 
 
 def forward_rows(

@@ -26,20 +26,25 @@ from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import RMConfig
-from spinwheel.rl.llm.pref_loop import PairJob, check_layout, forward_rows, make_learner, pair_postfix
+from spinwheel.rl.llm.pref_loop import (
+    PairJob,
+    check_layout,
+    forward_rows,
+    make_learner,
+    pair_postfix,
+    sample_policy,
+)
 from spinwheel.rl.llm.preference_data import (
     PreferencePair,
     arithmetic_pairs,
     mistake_pairs,
     pair_tokens,
     pairs_from_jsonl,
-    sample_groups,
     split_pairs,
     task_prompts,
 )
 from spinwheel.rl.llm.preference_losses import bradley_terry_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
-from spinwheel.tasks.arithmetic import reward as task_reward
 from spinwheel.train.learners import Learner, distributed_world, is_main_process
 from spinwheel.train.run import Run
 
@@ -166,17 +171,7 @@ def _policy_mistakes(config: RMConfig, tokenizer: Tokenizer, dims: ParallelDims 
     engine = dataclasses.asdict(config.engine)
     engine.update(max_model_len=max(len(p.ids) for p in prompts) + config.max_new_tokens + 1, seed=config.seed)
     llm = LLM(policy, policy_tokenizer, **engine)
-    groups = sample_groups(
-        llm,
-        prompts,
-        config.group_size,
-        config.max_new_tokens,
-        config.temperature,
-        config.top_p,
-        config.seed,
-        task_reward,
-        dims,
-    )
+    groups = sample_policy(llm, prompts, config, dims)
     llm.close()
     return mistake_pairs(groups, tokenizer, add_eos=False)
 
