@@ -127,3 +127,27 @@ def test_logprobs_above_the_vocabulary_mean_all_of_it():
     (out,) = [o for _ in range(20) for o in engine.step() if o.finished]
     assert out.error is None
     assert len(out.outputs[0].logprobs[0]) == 100 and len(out.prompt_logprobs[1]) == 100
+
+
+def test_a_request_failing_while_its_samples_fork_frees_every_block(monkeypatch):
+    """n = 3 forks two samples off the prompt sequence; the second fork raises. The first fork's blocks are
+    already the group's, so failing the request frees them too."""
+    alone = _run(_engine(), None)
+    engine = _engine()
+    fork, calls = engine.block_manager.fork, []
+
+    def flaky_fork(parent, child, *args):
+        calls.append(child)
+        if len(calls) == 2:
+            raise RuntimeError("fork failed")
+        fork(parent, child, *args)
+
+    monkeypatch.setattr(engine.block_manager, "fork", flaky_fork)
+    engine.add_request("forking", "hi there", SamplingParams(max_tokens=6, n=3, temperature=0))
+    final = _run(engine, None)
+    assert final.pop("forking").error.startswith(INTERNAL_ERROR)
+    assert {rid: [c.token_ids for c in o.outputs] for rid, o in final.items()} == {
+        rid: [c.token_ids for c in o.outputs] for rid, o in alone.items()
+    }
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and not bm.block_tables

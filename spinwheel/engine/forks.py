@@ -25,8 +25,8 @@ class SamplingForks:
         for i in range(1, group.params.n):
             child = seq.fork(self.next_seq_id(), i)
             self.block_manager.fork(seq.seq_id, child.seq_id)
+            group.seqs.append(child)  # at once: a request failing later in the step frees every block it holds
             samples.append(child)
-        group.seqs += samples[1:]
         return samples
 
     def continue_beams(self, group: SequenceGroup, beams: list[Sequence], choices: list[BeamChoice]) -> None:
@@ -48,6 +48,7 @@ class SamplingForks:
             for _ in picks[1:]:
                 child = beam.fork(self.next_seq_id(), 0)
                 self.block_manager.fork(beam.seq_id, child.seq_id)
+                group.seqs.append(child)  # held by the group at once (see fork_samples); replaced below
                 forks.append(child)
             for seq, c in zip([beam] + forks, picks):
                 seq.token_ids.append(c.token_id)
