@@ -13,8 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from spinwheel.rl.classic.buffer import Batch
+from spinwheel.rl.classic.config import ClassicConfig
 from spinwheel.rl.classic.data_parallel import DataParallel
 from spinwheel.rl.classic.optim import FlatAdam
+from spinwheel.rl.classic.policies import ActorCritic
 from spinwheel.rl.losses import value_loss
 
 
@@ -59,3 +62,31 @@ def fit_value(
             count += 1
         last = epoch_loss / count
     return dp.sum(last).item()
+
+
+class ValueBaseline:
+    """What VPG and TRPO share around their policy step: the critic's Adam, the rollout's advantages (normalised
+    with ``--norm-adv``), and the critic's fit to the reward-to-go after the step."""
+
+    def __init__(self, policy: ActorCritic, config: ClassicConfig, dp: DataParallel):
+        self.policy, self.config, self.dp = policy, config, dp
+        self.critic_optimizer = FlatAdam(policy.critic.parameters(), lr=config.vf_lr)
+
+    def advantages(self, batch: Batch) -> Tensor:
+        return normalize_advantages(batch.advantages, self.dp) if self.config.norm_adv else batch.advantages
+
+    def fit_critic(self, batch: Batch, num_envs: int, generator: torch.Generator, lr_scale: float) -> float:
+        """:func:`fit_value` on this rank's rollout at the scheduled learning rate; the last epoch's mean loss."""
+        cfg = self.config
+        self.critic_optimizer.lr = cfg.vf_lr * lr_scale
+        return fit_value(
+            self.policy.critic,
+            self.critic_optimizer,
+            batch.obs,
+            batch.rewards_to_go,
+            cfg.update_epochs,
+            cfg.minibatch_size,
+            num_envs,
+            generator,
+            self.dp,
+        )

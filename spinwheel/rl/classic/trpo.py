@@ -13,27 +13,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spinwheel.rl.classic.baseline import fit_value, normalize_advantages
+from spinwheel.rl.classic.baseline import ValueBaseline
 from spinwheel.rl.classic.buffer import Batch
 from spinwheel.rl.classic.config import ClassicConfig
 from spinwheel.rl.classic.data_parallel import DataParallel
-from spinwheel.rl.classic.optim import FlatAdam
 from spinwheel.rl.classic.policies import ActorCritic
 from spinwheel.rl.trpo import trust_region_step
 
 
-class TRPO:
+class TRPO(ValueBaseline):
     """A trust-region step on the actor per rollout, then the value fit (Adam on the critic)."""
 
     def __init__(self, policy: ActorCritic, config: ClassicConfig, dp: DataParallel):
-        self.policy, self.config, self.dp = policy, config, dp
+        super().__init__(policy, config, dp)
         self.actor_params = list(policy.actor.parameters())
-        self.critic_optimizer = FlatAdam(policy.critic.parameters(), lr=config.vf_lr)
 
     def update(self, batch: Batch, num_envs: int, generator: torch.Generator, lr_scale: float) -> dict[str, float]:
         cfg, dp, actor = self.config, self.dp, self.policy.actor
-        self.critic_optimizer.lr = cfg.vf_lr * lr_scale
-        advantages = normalize_advantages(batch.advantages, dp) if cfg.norm_adv else batch.advantages
+        advantages = self.advantages(batch)
         share = 1.0 / dp.world_size  # each closure returns this rank's share of the global mean
         with torch.no_grad():
             pd_old = actor(batch.obs)
@@ -60,15 +57,5 @@ class TRPO:
         )
         with torch.no_grad():
             entropy = dp.sum(actor.entropy(actor(batch.obs)).mean() * share).item()
-        v_loss = fit_value(
-            self.policy.critic,
-            self.critic_optimizer,
-            batch.obs,
-            batch.rewards_to_go,
-            cfg.update_epochs,
-            cfg.minibatch_size,
-            num_envs,
-            generator,
-            dp,
-        )
+        v_loss = self.fit_critic(batch, num_envs, generator, lr_scale)
         return {**stats, "entropy": entropy, "value_loss": v_loss}

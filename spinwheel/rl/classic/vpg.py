@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from spinwheel.rl.classic.baseline import fit_value, normalize_advantages
+from spinwheel.rl.classic.baseline import ValueBaseline
 from spinwheel.rl.classic.buffer import Batch
 from spinwheel.rl.classic.config import ClassicConfig
 from spinwheel.rl.classic.data_parallel import DataParallel
@@ -21,19 +21,17 @@ from spinwheel.rl.classic.policies import ActorCritic
 from spinwheel.rl.losses import policy_gradient_loss
 
 
-class VPG:
+class VPG(ValueBaseline):
     """One Adam step on the policy-gradient loss per rollout, then the value fit."""
 
     def __init__(self, policy: ActorCritic, config: ClassicConfig, dp: DataParallel):
-        self.policy, self.config, self.dp = policy, config, dp
+        super().__init__(policy, config, dp)
         self.actor_optimizer = FlatAdam(policy.actor.parameters(), lr=config.lr)
-        self.critic_optimizer = FlatAdam(policy.critic.parameters(), lr=config.vf_lr)
 
     def update(self, batch: Batch, num_envs: int, generator: torch.Generator, lr_scale: float) -> dict[str, float]:
         cfg, dp = self.config, self.dp
         self.actor_optimizer.lr = cfg.lr * lr_scale
-        self.critic_optimizer.lr = cfg.vf_lr * lr_scale
-        advantages = normalize_advantages(batch.advantages, dp) if cfg.norm_adv else batch.advantages
+        advantages = self.advantages(batch)
         share = 1.0 / dp.world_size  # every rank holds the same number of samples
         pd = self.policy.actor(batch.obs)
         log_probs = self.policy.actor.log_prob(pd, batch.actions)
@@ -48,17 +46,7 @@ class VPG:
             pd_new = self.policy.actor(batch.obs)
             kl = self.policy.actor.kl(pd.detach(), pd_new).mean()
             entropy = self.policy.actor.entropy(pd).mean()
-        v_loss = fit_value(
-            self.policy.critic,
-            self.critic_optimizer,
-            batch.obs,
-            batch.rewards_to_go,
-            cfg.update_epochs,
-            cfg.minibatch_size,
-            num_envs,
-            generator,
-            dp,
-        )
+        v_loss = self.fit_critic(batch, num_envs, generator, lr_scale)
         reduced = dp.sum(torch.stack([stats["policy_loss"], kl, entropy]) * share)
         return {
             "policy_loss": reduced[0].item(),
