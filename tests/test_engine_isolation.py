@@ -151,3 +151,15 @@ def test_a_request_failing_while_its_samples_fork_frees_every_block(monkeypatch)
     }
     bm = engine.block_manager
     assert bm.num_used_blocks == 0 and not bm.block_tables
+
+
+@pytest.mark.parametrize("length_penalty", [-10.0, -5.0])
+def test_beam_search_with_a_negative_length_penalty_returns_n_hypotheses(length_penalty):
+    """Scores of a negative length penalty fell below the -1e9 that stood for "no hypothesis yet": the search
+    stopped with none and the server answered 200 with no choices."""
+    engine = _engine()
+    params = SamplingParams(n=3, use_beam_search=True, length_penalty=length_penalty, max_tokens=40)
+    engine.add_request("b", "hello", params)
+    (out,) = [o for _ in range(100) for o in engine.step() if o.finished]
+    assert len(out.outputs) == 3 and all(c.finish_reason in ("stop", "length") for c in out.outputs)
+    assert [c.score for c in out.outputs] == sorted((c.score for c in out.outputs), reverse=True)

@@ -17,6 +17,7 @@ last one copied on write), a beam not chosen is freed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,8 +83,9 @@ def beam_step(
             best_len = params.max_tokens
         else:
             best_len = num_generated + 1
-        best_running = running[0].cumulative_logprob / best_len**lp if running else -1e9
-        worst_finished = min(f.score for f in merged) if len(merged) >= k else -1e9
-        improvable = best_running > worst_finished
+        best_running = running[0].cumulative_logprob / best_len**lp if running else -math.inf
+        # with fewer than k hypotheses the search goes on: a sentinel worst score of -1e9 in their place lost to the
+        # scores of a negative length_penalty (-500 / 64**-10 = -6e20), and the search ended with no hypothesis
+        improvable = len(merged) < k or best_running > min(f.score for f in merged)
     done = all_end or not improvable or (params.early_stopping is True and len(merged) >= k)
     return running, merged, improvable, done
