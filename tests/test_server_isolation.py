@@ -7,6 +7,7 @@ in flight got the 500."""
 import json
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server import BackgroundServer, OpenAIServer
 from spinwheel.server.engine_client import EngineProcess
+from spinwheel.server.engine_process import EngineSpec
 from spinwheel.server.params import ServedModel
 
 
@@ -131,3 +133,38 @@ def test_a_request_the_engine_fails_on_fails_alone(mode, kind, poison_after_vali
             assert all_blocks_free(engine)
         else:
             wait_engine_idle(engine)
+
+
+@dataclass
+class _UnencodableSpec(EngineSpec):
+    """An engine process whose outputs of beam requests with ``length_penalty == POISON_MARK`` cannot be built
+    (the engine process encodes beams through its output processor)."""
+
+    def build(self) -> LLMEngine:
+        engine = super().build()
+        build = engine.output_processor.request_output
+
+        def request_output(group):
+            if group.params.length_penalty == POISON_MARK:
+                raise RuntimeError("cannot encode this one")
+            return build(group)
+
+        engine.output_processor.request_output = request_output
+        return engine
+
+
+@pytest.mark.slow
+def test_a_request_whose_output_the_engine_process_cannot_send_fails_alone():
+    spec = engine_spec()
+    engine = EngineProcess(_UnencodableSpec(spec.model, spec.config, spec.tokenizer, spec.num_threads))
+    with BackgroundServer(OpenAIServer(engine, MODEL)) as bs:
+        bodies = {f"normal{i}": _normal(i) for i in range(3)}
+        alone = {name: httpx.post(bs.url + "/v1/completions", json=b, timeout=120).json() for name, b in bodies.items()}
+        bodies["poisoned"] = BEAM | {"length_penalty": POISON_MARK}
+        results = _post_all(bs.url, bodies, engine)
+        r, _ = results.pop("poisoned")
+        assert r.status_code == 500 and "cannot encode this one" in r.json()["error"]["message"], r.text
+        for name, (r, _) in results.items():
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone[name]["choices"][0]["text"]
+        assert engine.num_restarts == 0 and httpx.get(bs.url + "/health").json() == {"status": "ok"}
+        wait_engine_idle(engine)

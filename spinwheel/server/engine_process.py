@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
+from spinwheel.engine.isolation import INTERNAL_ERROR
 from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -205,11 +206,24 @@ class EngineCore:
                 self._fail_all(EngineStepError(f"the engine failed on this batch: {e!r}"))
                 continue
             step_s = time.monotonic() - t0
-            deltas = [self.encoder.encode(group) for group in groups]
+            deltas = []
+            for group in groups:
+                try:
+                    deltas.append(self.encoder.encode(group))
+                except Exception as e:  # noqa: BLE001 - one request's output could not be sent: it fails alone
+                    self._fail_one(group.request_id, e)
             for delta in deltas:
                 if delta.finished:
                     self._live.discard(delta.request_id)
             self._send(("step", deltas, step_s, snapshot(engine)))
+
+    def _fail_one(self, request_id: str, e: Exception) -> None:
+        logger.error("request %s failed encoding its output; the others go on", request_id, exc_info=e)
+        self.encoder.forget(request_id)
+        self.engine.abort(request_id)  # when still running; its blocks are freed with the next step
+        self._live.discard(request_id)
+        message = f"{INTERNAL_ERROR}the engine failed on this request's output ({type(e).__name__}: {e})"
+        self._send(("failed", [request_id], EngineStepError(f"{message}; the other requests were not affected")))
 
     def _fail_all(self, error: Exception) -> None:
         failed = sorted(self._live)
