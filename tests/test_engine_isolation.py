@@ -163,3 +163,25 @@ def test_beam_search_with_a_negative_length_penalty_returns_n_hypotheses(length_
     (out,) = [o for _ in range(100) for o in engine.step() if o.finished]
     assert len(out.outputs) == 3 and all(c.finish_reason in ("stop", "length") for c in out.outputs)
     assert [c.score for c in out.outputs] == sorted((c.score for c in out.outputs), reverse=True)
+
+
+def test_a_request_whose_output_cannot_be_built_fails_alone(monkeypatch):
+    """``LLMEngine.step`` builds every request's output (its text): one that raises there ends that request."""
+    alone = _run(_engine(), None)
+    engine = _engine()
+    build = engine.output_processor.request_output
+
+    def request_output(group):
+        if group.request_id == "poisoned" and group.seqs[0].num_output_tokens >= 2:
+            raise UnicodeError("cannot decode this one")
+        return build(group)
+
+    monkeypatch.setattr(engine.output_processor, "request_output", request_output)
+    final = _run(engine, "the stop check")  # a plain greedy request, whose output raises from its second token
+    bad = final.pop("poisoned")
+    assert bad.outputs == [] and "building its output" in bad.error and "UnicodeError" in bad.error
+    assert {rid: [c.token_ids for c in o.outputs] for rid, o in final.items()} == {
+        rid: [c.token_ids for c in o.outputs] for rid, o in alone.items()
+    }
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and not bm.block_tables

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
+from spinwheel.engine.outputs import RequestOutput
 from spinwheel.engine.sampler import Sampler, SampleRow
 from spinwheel.engine.sequence import SequenceGroup, SequenceStatus
 
@@ -61,6 +62,13 @@ class RequestFailures:
         """The failed groups, forgotten here."""
         groups, self.groups = list(self.groups.values()), {}
         return groups
+
+
+def failed_output(group: SequenceGroup, error: Exception) -> RequestOutput:
+    """The final output of a request whose output could not be built: no completions, and the error (the caller
+    frees its blocks)."""
+    RequestFailures().fail(group, "building its output", error)
+    return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, [], True, error=group.error)
 
 
 def sample_isolated(

@@ -19,7 +19,7 @@ import torch
 from spinwheel.engine.beam_search import beam_step
 from spinwheel.engine.block_manager import BlockManager
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.isolation import RequestFailures, sample_isolated
+from spinwheel.engine.isolation import RequestFailures, failed_output, sample_isolated
 from spinwheel.engine.model_runner import ModelRunner, StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.outputs import EngineStats, RequestOutput, StepInfo
@@ -175,7 +175,16 @@ class LLMEngine:
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Run one iteration. Returns outputs of the requests that progressed (all of them with ``stream``) or
         finished."""
-        return [self.output_processor.request_output(g) for g in self.step_groups(stream)]
+        outputs = []
+        for group in self.step_groups(stream):
+            try:
+                outputs.append(self.output_processor.request_output(group))
+            except Exception as e:  # noqa: BLE001 - that request alone fails (its blocks freed)
+                outputs.append(failed_output(group, e))
+                self.scheduler.abort(group.request_id)
+                self._groups.pop(group.request_id, None)
+                self.output_processor.forget(group)
+        return outputs
 
     def step_groups(self, stream: bool = True) -> list[SequenceGroup]:
         """``step`` for a caller that builds its own outputs from the groups (the engine process sends only what
