@@ -96,3 +96,11 @@ def test_the_serve_option_reaches_the_server():
     assert from_args(ServeConfig, parse(["serve"])).special_tokens_in_content is True
     config = from_args(ServeConfig, parse(["serve", "--no-special-tokens-in-content"]))
     assert config.special_tokens_in_content is False
+
+
+@pytest.mark.parametrize(
+    ("header", "status"),
+    [("Bearer s3cret", 200), ("bearer s3cret", 200), ("BEARER   s3cret", 200), ("Basic s3cret", 401), ("s3cret", 401)],
+)
+def test_the_authorization_forms_the_readme_documents(server, header, status):
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": header}).status_code == status
