@@ -26,11 +26,11 @@ T = TypeVar("T")
 # the command names is not shown.
 GROUPS = {
     "model and data": "what is trained and on what",
-    "rollout": "sampling completions from the policy on the engine",
-    "algorithm": "the objective and this algorithm's own options",
-    "optimizer": "AdamW, its learning-rate schedule and the batches it steps on",
-    "run": "length, evaluation and checkpoint cadence, resume, placement, logging",
-    "parallel layout": "under torchrun: the product dp·tp·pp must equal the number of processes",
+    "rollout": "what the policy samples for each update",
+    "algorithm": "the objective and the algorithm's own options",
+    "optimizer": "the optimizer, its learning-rate schedule and its batches",
+    "run": "length, evaluation and checkpoints, resume, placement, logging",
+    "parallel layout": "under torchrun (spinwheel launch --nproc-per-node N)",
     "engine": "the paged-attention engine that samples",
 }
 _parser_groups: weakref.WeakKeyDictionary[argparse.ArgumentParser, dict[str, Any]] = weakref.WeakKeyDictionary()

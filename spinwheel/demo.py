@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spinwheel.config import option
+from spinwheel.config import check_ranges, option
 
 MARKER = "spinwheel-demo.json"
 
@@ -40,13 +40,12 @@ class DemoConfig:
     progress: bool = option(True, help="show progress bars")
 
     def __post_init__(self) -> None:
-        for name in ("sft_steps", "grpo_steps", "grpo_prompts", "eval_examples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.grpo_lr <= 0:
-            raise ValueError(f"--grpo-lr must be > 0, got {self.grpo_lr}")
-        if not 0 <= self.grpo_min_lr_ratio <= 1:
-            raise ValueError(f"--grpo-min-lr-ratio must be in [0, 1], got {self.grpo_min_lr_ratio}")
+        check_ranges(
+            self,
+            at_least_1=("sft_steps", "grpo_steps", "grpo_prompts", "eval_examples"),
+            positive=("grpo_lr",),
+            unit_interval=("grpo_min_lr_ratio",),
+        )
 
 
 def prepare_out_dir(out: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from spinwheel.config import option
+from spinwheel.config import check_ranges, option
 
 
 @dataclass
@@ -62,20 +62,14 @@ class EngineConfig:
     device: str | None = option(None, help="device when loading from a path (default: cuda if available)")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.kv_cache_memory_mb <= 0:
-            raise ValueError(f"kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb}")
-        if self.swap_space_mb < 0:
-            raise ValueError(f"swap_space_mb must be >= 0, got {self.swap_space_mb}")
-        if self.onednn_cache_capacity < 1:
-            raise ValueError(f"onednn_cache_capacity must be >= 1, got {self.onednn_cache_capacity}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        # Field names in the messages: the commands spell them as their --engine-* options (config.from_args).
+        check_ranges(
+            self,
+            at_least_1=("block_size", "num_kv_blocks", "onednn_cache_capacity", "max_num_seqs"),
+            non_negative=("num_cpu_blocks", "swap_space_mb"),
+            positive=("kv_cache_memory_mb",),
+            name=str,
+        )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from spinwheel.config import option
+from spinwheel.config import check_ranges, option
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
 from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy, parse_dtype
@@ -105,18 +105,18 @@ class ParallelConfig:
     timeout_s: float = option(600.0, help="collective timeout in seconds: a dead rank fails the job after this")
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "microbatches"):
-            if getattr(self, name) < 1:
-                raise ParallelError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
+        check_ranges(
+            self,
+            at_least_1=("tp", "pp", "microbatches"),
+            non_negative=("hsdp", "fsdp_buffer_mb"),
+            ge="≥",
+            error=ParallelError,
+        )
         if self.dp == 0 or self.dp < -1:
             raise ParallelError(f"--dp must be ≥ 1 or -1 (fill the world), got {self.dp}")
-        if self.hsdp < 0:
-            raise ParallelError(f"--hsdp must be ≥ 0, got {self.hsdp}")
         if self.hsdp:
             self.fsdp = True
         check_data_parallel(self.zero, self.fsdp)
-        if self.fsdp_buffer_mb < 0:
-            raise ParallelError(f"--fsdp-buffer-mb must be ≥ 0, got {self.fsdp_buffer_mb}")
         sharded = self.fsdp or self.zero == 3
         for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_buffer_mb"):
             if getattr(self, name) and not sharded:

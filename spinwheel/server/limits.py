@@ -7,7 +7,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from spinwheel.config import option
+from spinwheel.config import check_ranges, option
 
 FD_RESERVE = 128  # descriptors kept for the model files, the listening socket, logs and the runtime
 
@@ -58,20 +58,18 @@ class ServerLimits:
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_header_kb", "max_sequences_per_request", "max_logprobs_per_request"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.send_buffer_kb < 0:
-            raise ValueError(f"--send-buffer-kb must be >= 0, got {self.send_buffer_kb}")
-        for name in (
-            "header_timeout_s",
-            "body_timeout_s",
-            "stall_timeout_s",
-            "log_repeat_interval_s",
-            "health_stall_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        check_ranges(
+            self,
+            at_least_1=("max_connections", "max_header_kb", "max_sequences_per_request", "max_logprobs_per_request"),
+            non_negative=("send_buffer_kb",),
+            positive=(
+                "header_timeout_s",
+                "body_timeout_s",
+                "stall_timeout_s",
+                "log_repeat_interval_s",
+                "health_stall_s",
+            ),
+        )
 
 
 def fit_connections_to_fd_limit(max_connections: int) -> tuple[int, str | None]:

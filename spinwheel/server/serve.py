@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from spinwheel.config import option
+from spinwheel.config import check_ranges, option
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.server.app import OpenAIServer
@@ -92,14 +92,7 @@ class ServeConfig(ServerLimits):
         super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        if self.max_body_mb <= 0:
-            raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
-        if self.decode_step_ms < 0:
-            raise ValueError(f"--decode-step-ms must be >= 0, got {self.decode_step_ms}")
-        if self.num_threads < 0:
-            raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
-        if self.engine_restarts < 0:
-            raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
+        check_ranges(self, positive=("max_body_mb",), non_negative=("decode_step_ms", "num_threads", "engine_restarts"))
         resolve_http(self.http)  # ValueError now, not after the engine has loaded
         resolve_loop(self.loop)
 
