@@ -92,6 +92,7 @@ def check_interrupted_outputs(out: Path, stdout: str, world_size: int) -> None:
     assert (out / "learning_curve.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_policy_and_the_curve_and_exits_130(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -177,6 +178,7 @@ def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp
     assert proc.stdout.strip() == f"evaluation of {policy_pt} (ppo, CartPole-v1): return {reported} over 3 episodes"
 
 
+@pytest.mark.slow
 def test_unknown_environment_is_one_line_naming_the_fix():
     proc = run(classic("--env", "CartPol-v1"))
     assert proc.returncode == 2 and proc.stdout == ""

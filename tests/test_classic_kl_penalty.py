@@ -109,6 +109,7 @@ def test_beta_follows_the_rule_from_each_update_kl(tmp_path):
     assert len({r["kl_beta"] for r in records}) > 1  # the settings make β move
 
 
+@pytest.mark.slow
 def test_ppo_penalty_learns_cartpole(tmp_path):
     result = train(
         quiet(

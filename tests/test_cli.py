@@ -178,6 +178,7 @@ def test_generate_and_serve_spell_settings_alike():
     assert gen.model == srv.model == "runs/demo/grpo/checkpoint"
 
 
+@pytest.mark.slow
 def test_version_and_descriptions():
     proc = subprocess.run([sys.executable, "-m", "spinwheel", "--version"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"spinwheel {spinwheel.__version__}"
@@ -198,6 +199,7 @@ def test_help_shows_each_default_once(command, capsys):
     assert "the built-in arithmetic task (default:" not in text  # a help that states its default shows no other
 
 
+@pytest.mark.slow
 def test_launch_help_is_torchruns(capsys):
     proc = subprocess.run(
         [sys.executable, "-m", "spinwheel", "launch", "--help"], capture_output=True, text=True, timeout=120
@@ -205,6 +207,7 @@ def test_launch_help_is_torchruns(capsys):
     assert proc.returncode == 0 and "spinwheel launch" in proc.stdout and "--nproc-per-node" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU build of torch")
 def test_cuda_device_without_cuda_is_one_line(tmp_path, capsys):
     proc = subprocess.run(

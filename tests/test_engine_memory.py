@@ -134,6 +134,7 @@ def _step(engine: LLMEngine, encoder: DeltaEncoder) -> None:
         engine.output_processor.request_output(group)
 
 
+@pytest.mark.slow
 def test_engine_forgets_finished_rejected_and_aborted_requests():
     """Every kind of request the soak sends, aborted anywhere (waiting, running, swapped), in both preemption
     modes: once drained, no per-request state remains, and a second identical round allocates no Python memory

@@ -149,6 +149,7 @@ def _without_metrics(out):
     return dataclasses.replace(out, metrics={})
 
 
+@pytest.mark.slow
 def test_deltas_rebuild_the_engines_outputs_exactly_and_stay_small():
     """Every step's outputs of an engine that decodes and checks stop strings itself equal those rebuilt from the
     deltas of one that does neither (the engine process's), detokenized and stop-checked on the other side, whose

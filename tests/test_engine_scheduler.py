@@ -246,6 +246,7 @@ _request = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # found by longer runs: a swapped beam group whose beams pair-share their last blocks (a copy counted per writer
 # asked for more blocks than the empty pool has), and a recomputed n = 3 group without chunked prefill (its three

@@ -172,6 +172,7 @@ def test_a_retained_graph_keeps_its_slots_until_the_last_backward():
         assert torch.equal(grads[True][name], g), name
 
 
+@pytest.mark.slow
 def test_regions_are_freed_with_their_graph_not_by_the_cycle_collector():
     """What a slot's release (and any checkpoint's memory) relies on: once backward has run, no region survives,
     even with Python's cyclic garbage collector off."""

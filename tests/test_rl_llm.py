@@ -205,6 +205,7 @@ def test_layouts_match_one_process(tmp_path):
         assert loss == pytest.approx(ref_loss, rel=RTOL, abs=1e-7), name
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_resumes_exactly(tmp_path):
     args = [
         "--model",

@@ -342,6 +342,7 @@ def test_an_engine_failure_fails_only_the_requests_in_flight():
         assert all_blocks_free(engine)
 
 
+@pytest.mark.slow
 def test_spinwheel_serve_command(tmp_path):
     """The real command in a subprocess: binds loopback, serves the preset, stops cleanly."""
     import socket

@@ -90,6 +90,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_half_open_connections_neither_starve_requests_nor_exhaust_descriptors(serve_process):
     proc, port, url = serve_process
     base_fds = _num_fds(proc.pid)
@@ -211,6 +212,7 @@ serve(ServeConfig(model="test", port=int(sys.argv[1]), engine_process=False), En
 """
 
 
+@pytest.mark.slow
 def test_serve_freezes_what_startup_made_before_serving():
     """A connection flood triggers full collections; with startup's objects frozen they no longer traverse them
     (with 5,000 half-open connections the first normal request waited ~0.6 s longer without). In a process of its

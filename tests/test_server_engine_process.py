@@ -78,6 +78,7 @@ def test_concurrent_streams_with_disconnects_free_every_block_in_the_engine_proc
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_a_stalled_reader_is_aborted_and_its_blocks_freed_in_the_engine_process():
     """A client that reads nothing of n = 4 x 1500 tokens is disconnected after the stall timeout; the abort
     frees its blocks in the engine process long before the request could have finished."""
@@ -122,6 +123,7 @@ class _FlakySpec(EngineSpec):
         return engine
 
 
+@pytest.mark.slow
 def test_a_failing_step_fails_only_its_requests():
     spec = engine_spec(num_kv_blocks=32)
     ep = EngineProcess(_FlakySpec(spec.model, spec.config, spec.tokenizer, 1))
@@ -148,6 +150,7 @@ def _stream_events(url: str, body: dict, started: threading.Event, out: list) ->
                 started.set()
 
 
+@pytest.mark.slow
 def test_an_engine_process_killed_mid_stream_fails_its_requests_then_restarts_then_exits():
     gone: list[str] = []
     model = long_context_model()
@@ -213,6 +216,7 @@ def test_an_engine_process_killed_mid_stream_fails_its_requests_then_restarts_th
         assert time.monotonic() - t0 < 2
 
 
+@pytest.mark.slow
 def test_spinwheel_serve_exits_with_the_reason_when_its_engine_process_dies():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_soak_script_runs_every_client_and_passes_its_checks():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.1", "--modes", "swap"]
     cmd += ["--clients", "3", "--min-preemptions", "0"]  # a few seconds need not preempt on a loaded machine

@@ -95,6 +95,7 @@ def test_fit_threads_follows_the_free_cpus_in_a_fresh_process():
     assert run_python(FIT) == ["2 2", "2 2", "2 2", "1 1", "1 1", "1 1", "2 2", "1 1", "2 2", "1 1"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat (Linux)")
 def test_on_by_default_and_off_with_the_environment_variable():
     code = "import spinwheel, spinwheel.threads as th, torch; print(th.enabled(), th.fit_threads() is None)"
