@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING, TypeVar
 
 from spinwheel.config import add_arguments, from_args
 from spinwheel.tasks.arithmetic import ArithmeticConfig
+
+if TYPE_CHECKING:
+    from spinwheel.rl.llm.config import RLConfig
+    from spinwheel.rl.llm.pref_config import PreferenceConfig
+
+Config = TypeVar("Config", "RLConfig", "PreferenceConfig")
 
 
 def rl_commands() -> dict[str, str]:
@@ -31,10 +38,31 @@ class _Refused(argparse.Action):
         )
 
 
-def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
-    """The command of algorithm ``algo``: the shared options and its own; another algorithm's are refused."""
+def _add_run_parts(p: argparse.ArgumentParser, engine_defaults: dict | None = None) -> None:
+    """The task, layout and engine options of every LLM training command (the engine takes the run's placement,
+    seed and context length)."""
     from spinwheel.engine import EngineConfig
     from spinwheel.parallel import ParallelConfig
+
+    add_arguments(p, ArithmeticConfig, prefix="task-", group="model and data")
+    add_arguments(p, ParallelConfig, group="parallel layout")
+    skip = {"dtype", "device", "seed", "max_model_len"}
+    add_arguments(p, EngineConfig, prefix="engine-", skip=skip, defaults=engine_defaults, group="engine")
+
+
+def _with_run_parts(config: Config, ns: argparse.Namespace) -> Config:
+    """``config`` with the task, layout and engine that :func:`_add_run_parts` options give."""
+    from spinwheel.engine import EngineConfig
+    from spinwheel.parallel import ParallelConfig
+
+    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
+    config.parallel = from_args(ParallelConfig, ns)
+    config.engine = from_args(EngineConfig, ns, prefix="engine-")
+    return config
+
+
+def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None:
+    """The command of algorithm ``algo``: the shared options and its own; another algorithm's are refused."""
     from spinwheel.rl.llm.algorithms import ALGORITHM_OPTIONS, ALGORITHMS
     from spinwheel.rl.llm.config import RL_ENGINE_DEFAULTS, RLConfig
 
@@ -47,10 +75,7 @@ def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None
     )
     foreign = ALGORITHM_OPTIONS - cls.options
     add_arguments(p, RLConfig, skip={"algo"} | foreign, defaults=cls.defaults)
-    add_arguments(p, ArithmeticConfig, prefix="task-", group="model and data")
-    add_arguments(p, ParallelConfig, group="parallel layout")
-    engine_skip = {"dtype", "device", "seed", "max_model_len"}
-    add_arguments(p, EngineConfig, prefix="engine-", skip=engine_skip, defaults=RL_ENGINE_DEFAULTS, group="engine")
+    _add_run_parts(p, RL_ENGINE_DEFAULTS)
     for name in sorted(foreign):
         owners = ", ".join(a for a, c in ALGORITHMS.items() if name in c.options)
         flag = name.replace("_", "-")
@@ -59,14 +84,9 @@ def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None
 
 
 def run_rl(ns: argparse.Namespace) -> None:
-    from spinwheel.engine import EngineConfig
-    from spinwheel.parallel import ParallelConfig
     from spinwheel.rl.llm import RLConfig, train_rl
 
-    config = from_args(RLConfig, ns)
-    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
-    config.parallel = from_args(ParallelConfig, ns)
-    config.engine = from_args(EngineConfig, ns, prefix="engine-")
+    config = _with_run_parts(from_args(RLConfig, ns), ns)
     result = train_rl(config)
     if result.get("eval_after") is not None and os.environ.get("RANK", "0") == "0":
         before = result.get("eval_before")
@@ -84,31 +104,21 @@ PREF_COMMANDS = {
 
 
 def add_pref_parser(sub: argparse._SubParsersAction, command: str, what: str) -> None:
-    from spinwheel.engine import EngineConfig
-    from spinwheel.parallel import ParallelConfig
     from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
 
     cls = DPOConfig if command == "dpo" else RMConfig
     p = sub.add_parser(command, help=what, description=f"{what}; torchrun for data/tensor parallel updates.")
     add_arguments(p, cls)
-    add_arguments(p, ArithmeticConfig, prefix="task-", group="model and data")
-    add_arguments(p, ParallelConfig, group="parallel layout")
-    engine_skip = {"dtype", "device", "seed", "max_model_len"}
-    add_arguments(p, EngineConfig, prefix="engine-", skip=engine_skip, group="engine")
+    _add_run_parts(p)
     p.set_defaults(out_dir=f"runs/{command}")
 
 
 def run_pref(ns: argparse.Namespace) -> None:
-    from spinwheel.engine import EngineConfig
-    from spinwheel.parallel import ParallelConfig
     from spinwheel.rl.llm.dpo import train_dpo
     from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
     from spinwheel.rl.llm.reward_model import train_rm
 
-    config = from_args(DPOConfig if ns.command == "dpo" else RMConfig, ns)
-    config.task = from_args(ArithmeticConfig, ns, prefix="task-")
-    config.parallel = from_args(ParallelConfig, ns)
-    config.engine = from_args(EngineConfig, ns, prefix="engine-")
+    config = _with_run_parts(from_args(DPOConfig if ns.command == "dpo" else RMConfig, ns), ns)
     result = (train_dpo if ns.command == "dpo" else train_rm)(config)
     if os.environ.get("RANK", "0") == "0":
         after = result.get("eval_after") or {}
