@@ -134,6 +134,13 @@ def test_a_non_finite_step_stops_without_saving(tmp_path, how):
     assert torch.isfinite(load_model(tmp_path / "checkpoint").lm_head.weight).all()
 
 
+def _grpo(tmp_path: Path, reward: str) -> list[str]:
+    """A short ``spinwheel grpo`` command with ``--reward reward`` (a module in ``tmp_path``), writing tmp_path/run."""
+    args = ["grpo", "--model", "test", "--steps", "10", "--prompts-per-step", "2", "--group-size", "2"]
+    args += ["--max-new-tokens", "2", "--eval-every", "0", "--save-every", "0", "--eval-examples", "2", *TINY_TASK]
+    return [*SPINWHEEL, *args, "--reward", reward, "--out-dir", str(tmp_path / "run")]
+
+
 REWARD = """
 calls = 0
 def fn(completions, answers):
@@ -148,11 +155,8 @@ def fn(completions, answers):
 @pytest.mark.slow
 def test_a_reward_that_raises_saves_the_steps_before_it(tmp_path):
     (tmp_path / "flaky_reward.py").write_text(REWARD)
-    args = ["grpo", "--model", "test", "--steps", "10", "--prompts-per-step", "2", "--group-size", "2"]
-    args += ["--max-new-tokens", "2", "--eval-every", "0", "--save-every", "0", "--eval-examples", "2"]
-    args += ["--task-num-digits", "1", "--task-num-train", "10", "--task-num-test", "2", "--no-progress"]
-    args += ["--reward", "flaky_reward:fn", "--out-dir", str(tmp_path / "run")]
-    proc = subprocess.run([*SPINWHEEL, *args], capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)
+    cmd = _grpo(tmp_path, "flaky_reward:fn")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "the grader is down" in proc.stderr
     assert f"checkpoint saved at step 2 in {tmp_path / 'run' / 'checkpoint'}" in proc.stdout
@@ -221,11 +225,13 @@ def fn(completions, answers):
 @pytest.mark.slow
 def test_ctrl_c_stops_a_hanging_reward_and_saves_the_steps_before_it(tmp_path):
     (tmp_path / "hanging_reward.py").write_text(HANGING_REWARD)
-    args = ["grpo", "--model", "test", "--steps", "10", "--prompts-per-step", "2", "--group-size", "2"]
-    args += ["--max-new-tokens", "2", "--eval-every", "0", "--save-every", "0", "--eval-examples", "2", *TINY_TASK]
-    args += ["--reward", "hanging_reward:fn", "--out-dir", str(tmp_path / "run")]
     proc = subprocess.Popen(
-        [*SPINWHEEL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path
+        _grpo(tmp_path, "hanging_reward:fn"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
     )
     assert proc.stdout.readline().strip() == "hanging"  # step 3's reward call never returns
     proc.send_signal(signal.SIGINT)

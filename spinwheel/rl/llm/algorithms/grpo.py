@@ -49,8 +49,18 @@ class GroupPolicyGradient(Algorithm):
             old = out.logprobs.detach()
             if c.tis_cap is not None:
                 is_weights = truncated_is_weights(old, mb["engine_logprobs"], c.tis_cap)
-        loss, stats = grpo_loss(
-            out.logprobs,
+        loss, stats = self.token_loss(out.logprobs, old, mb, is_weights)
+        if out.entropy is not None:
+            stats["entropy"] = (mb["weights"] * out.entropy).sum()
+        return loss, stats
+
+    def token_loss(
+        self, logp: torch.Tensor, old: torch.Tensor, mb: Batch, is_weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped surrogate of the micro-batch's tokens and β·KL (GSPO overrides it with its sequence ratio)."""
+        c = self.config
+        return grpo_loss(
+            logp,
             old,
             mb["advantages"],
             mb["weights"],
@@ -61,9 +71,6 @@ class GroupPolicyGradient(Algorithm):
             kl_estimator=c.kl_estimator,
             is_weights=is_weights,
         )
-        if out.entropy is not None:
-            stats["entropy"] = (mb["weights"] * out.entropy).sum()
-        return loss, stats
 
 
 class GRPO(GroupPolicyGradient):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.algorithms.grpo import GroupPolicyGradient
 from spinwheel.rl.llm.token_losses import gspo_loss
@@ -22,21 +21,9 @@ class GSPO(GroupPolicyGradient):
     defaults = {"eps_low": 3e-4, "eps_high": 4e-4}
     loss_agg = "seq-mean-token-mean"  # a row's weight is 1/G, its tokens average the sequence's log-ratio
 
-    def loss(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def token_loss(
+        self, logp: torch.Tensor, old: torch.Tensor, mb: Batch, is_weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = self.config
-        assert out.logprobs is not None
-        old = mb.get("old_logprobs", out.logprobs.detach())
-        loss, stats = gspo_loss(
-            out.logprobs,
-            old,
-            mb["advantages"],
-            mb["weights"],
-            ref_logp=mb.get("ref_logprobs"),
-            beta=c.beta,
-            eps_low=c.eps_low,
-            eps_high=c.eps_high,
-            kl_estimator=c.kl_estimator,
-        )
-        if out.entropy is not None:
-            stats["entropy"] = (mb["weights"] * out.entropy).sum()
-        return loss, stats
+        kl = dict(ref_logp=mb.get("ref_logprobs"), beta=c.beta, kl_estimator=c.kl_estimator)
+        return gspo_loss(logp, old, mb["advantages"], mb["weights"], eps_low=c.eps_low, eps_high=c.eps_high, **kl)
