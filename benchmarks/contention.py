@@ -2,11 +2,11 @@
 
 Three workloads, each in a fresh process (thread settings act when the OpenMP runtime starts):
 
-* ``gen``  — engine generation on the ``small`` preset (random weights): 32 prompts of 24 tokens, 64 new tokens
-  each, greedy; output tokens/s;
-* ``sft``  — ``train_sft`` on the ``tiny`` preset (the demo's SFT: batch 128 of the arithmetic task), a few steps;
+* ``gen``  — engine generation on the ``small`` preset (random weights): 3 batches of 32 prompts of 24 tokens, 64
+  new tokens each, greedy; output tokens/s;
+* ``sft``  — ``train_sft`` on the ``tiny`` preset (the demo's SFT: batch 128 of the arithmetic task), 24 steps;
   completion tokens/s of the steps;
-* ``grpo`` — ``train_rl`` GRPO on the ``tiny`` preset (the demo's step: 64 prompts × 8 samples), a few steps; steps
+* ``grpo`` — ``train_rl`` GRPO on the ``tiny`` preset (the demo's step: 64 prompts × 8 samples), 6 steps; steps
   per second (the median step time).
 
 Each worker builds its workload once, warms it up, then alternates ``--rounds`` times: a quiet measurement, then
@@ -52,15 +52,16 @@ def gen_workload():
     llm.generate([[5] * 24] * 4, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 
     def measure() -> float:
-        prompts = [[rng.randrange(3, 90) for _ in range(24)] for _ in range(32)]  # no prefix-cache hits
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+        t, tokens = time.perf_counter(), 0
+        for _ in range(3):
+            prompts = [[rng.randrange(3, 90) for _ in range(24)] for _ in range(32)]  # no prefix-cache hits
+            tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params))
+        return tokens / (time.perf_counter() - t)
 
     return measure, "output tokens/s"
 
 
-def sft_workload(steps: int = 8):
+def sft_workload(steps: int = 24):
     from spinwheel.train.sft import train_sft
     from spinwheel.train.sft_config import SFTConfig
 
@@ -83,7 +84,7 @@ def sft_workload(steps: int = 8):
     return measure, "completion tokens/s"
 
 
-def grpo_workload(steps: int = 4):
+def grpo_workload(steps: int = 6):
     from spinwheel.rl.llm import RLConfig, train_rl
 
     tmp = tempfile.mkdtemp(prefix="contention-grpo-")

@@ -4,10 +4,10 @@ PyTorch starts one OpenMP thread per core, and libgomp's threads wait for each o
 region by spinning (for milliseconds, on the default ``GOMP_SPINCOUNT``). When another process holds a core, one
 of our threads is descheduled for a scheduler time slice while its partner spins at the barrier, so each of the
 dozens of parallel regions of a step can cost a time slice: next to one busy process on 2 cores, engine
-generation, SFT and GRPO steps fell to about 0.3× of their quiet speed (``benchmarks/contention.py``;
+generation, SFT and GRPO steps fell to 0.24–0.36× of their quiet speed (``benchmarks/contention.py``;
 BENCHMARKS.md, "Speed on a busy machine"). A passive wait policy (``OMP_WAIT_POLICY=passive``) keeps 0.7–0.9×
-there but costs a third of the quiet speed (every region then wakes a sleeping thread); one thread is immune, but
-on a quiet machine 2 threads are 1.2–1.6× faster.
+there but costs 26–42% of the quiet speed (every region then wakes a sleeping thread), a bounded
+``GOMP_SPINCOUNT`` keeps neither; one thread is immune, but on a quiet machine 2 threads are 1.3–1.6× faster.
 
 So :func:`fit_threads` measures, at the start of each engine or training step, in the thread that computes (an
 OpenMP thread count belongs to the calling thread); between measurements (every :data:`INTERVAL_S` at most) it
@@ -35,7 +35,7 @@ import threading
 import time
 
 ENV = "SPINWHEEL_THREADS"
-INTERVAL_S = 0.2  # how often the CPUs are measured (and the thread count re-fitted) at most
+INTERVAL_S = 0.1  # how often the CPUs are measured (and the thread count re-fitted) at most
 WAIT_DOWN = 0.3  # CPU-seconds per second our threads waited for a CPU above which we use one thread fewer
 PROBE_S = 5.0  # how long after a change the count may go up again (one more thread tried)
 _PROC_STAT = "/proc/stat"
