@@ -34,10 +34,10 @@ from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import DPOConfig
 from spinwheel.rl.llm.pref_loop import (
     PairJob,
-    check_layout,
     forward_rows,
     make_learner,
     pair_postfix,
+    run_pair_command,
     sample_policy,
 )
 from spinwheel.rl.llm.preference_data import (
@@ -51,7 +51,7 @@ from spinwheel.rl.llm.preference_data import (
 from spinwheel.rl.llm.preference_losses import dpo_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
 from spinwheel.tasks.arithmetic import evaluate as task_evaluate
-from spinwheel.train.learners import Learner, distributed_world, is_main_process
+from spinwheel.train.learners import Learner, is_main_process
 from spinwheel.train.run import Run
 
 
@@ -188,19 +188,7 @@ def train_dpo(config: DPOConfig) -> dict[str, Any]:
     Under ``torchrun`` with more than one process this trains on the parallel trainer (``config.parallel``);
     otherwise in this process.
     """
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    with distributed_world(config.device, config.parallel) as distributed:
-        return _run(config, distributed)
-
-
-def _run(config: DPOConfig, distributed: bool) -> dict[str, Any]:
-    dims = check_layout(config, distributed)
-    with Run(config, distributed, f"dpo-{config.loss_type}") as run:
-        if run.finished():
-            return run.finished_result()
-        run.announce_resume()
-        return _train(config, run, dims)
+    return run_pair_command(config, f"dpo-{config.loss_type}", _train)
 
 
 def _train(config: DPOConfig, run: Run, dims: ParallelDims | None) -> dict[str, Any]:

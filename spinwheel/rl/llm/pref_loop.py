@@ -24,7 +24,7 @@ from spinwheel.rl.llm.pref_config import PreferenceConfig
 from spinwheel.rl.llm.preference_data import PreferencePair, SampledGroups, sample_groups
 from spinwheel.rl.llm.rollout import Prompt
 from spinwheel.tasks.arithmetic import reward as task_reward
-from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner
+from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.optim import lr_at
 from spinwheel.train.run import Run
 from spinwheel.train.sft_data import batch_indices
@@ -47,6 +47,22 @@ def make_learner(
     if dims is None:
         return LocalLearner(model, optim)
     return ParallelLearner(model, optim, config.parallel, dims, engine_copy="none" if frozen else engine_copy)
+
+
+def run_pair_command(
+    config: PreferenceConfig, desc: str, train: Callable[[Any, Run, ParallelDims | None], dict[str, Any]]
+) -> dict[str, Any]:
+    """Join the torchrun world (when launched by it), check the layout, open the run on the harness and call
+    ``train(config, run, dims)`` unless the run is already finished. What DPO and reward models start with."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    with distributed_world(config.device, config.parallel) as distributed:
+        dims = check_layout(config, distributed)
+        with Run(config, distributed, desc) as run:
+            if run.finished():
+                return run.finished_result()
+            run.announce_resume()
+            return train(config, run, dims)
 
 
 def check_layout(config: PreferenceConfig, distributed: bool) -> ParallelDims | None:

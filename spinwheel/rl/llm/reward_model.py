@@ -28,10 +28,10 @@ from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.pref_config import RMConfig
 from spinwheel.rl.llm.pref_loop import (
     PairJob,
-    check_layout,
     forward_rows,
     make_learner,
     pair_postfix,
+    run_pair_command,
     sample_policy,
 )
 from spinwheel.rl.llm.preference_data import (
@@ -45,7 +45,7 @@ from spinwheel.rl.llm.preference_data import (
 )
 from spinwheel.rl.llm.preference_losses import bradley_terry_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
-from spinwheel.train.learners import Learner, distributed_world, is_main_process
+from spinwheel.train.learners import Learner, is_main_process
 from spinwheel.train.run import Run
 
 
@@ -183,19 +183,7 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
     Under ``torchrun`` with more than one process this trains on the parallel trainer (``config.parallel``; any
     layout: a 1-row score head stays whole under tensor parallelism); otherwise in this process.
     """
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    with distributed_world(config.device, config.parallel) as distributed:
-        return _run(config, distributed)
-
-
-def _run(config: RMConfig, distributed: bool) -> dict[str, Any]:
-    dims = check_layout(config, distributed)
-    with Run(config, distributed, "rm") as run:
-        if run.finished():
-            return run.finished_result()
-        run.announce_resume()
-        return _train(config, run, dims)
+    return run_pair_command(config, "rm", _train)
 
 
 def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, Any]:
