@@ -93,8 +93,11 @@ def thread_waits() -> dict[str, int]:
     waits = {}
     for tid in os.listdir(_TASKS):
         try:
-            with open(f"{_TASKS}/{tid}/schedstat", "rb") as f:
-                waits[tid] = int(f.read().split()[1])
+            fd = os.open(f"{_TASKS}/{tid}/schedstat", os.O_RDONLY)
+            try:
+                waits[tid] = int(os.read(fd, 128).split()[1])
+            finally:
+                os.close(fd)
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
             pass
     return waits
@@ -114,6 +117,7 @@ class _State(threading.local):
         self.waits: dict[str, int] = {}
         self.cap = self.threads = 0
         self.changed = -PROBE_S  # when the count last changed
+        self.cost = 0.0  # seconds the last sample took
 
 
 _state = _State()
@@ -131,7 +135,7 @@ def fit_threads() -> int | None:
         return None
     st = _state
     now = time.monotonic()
-    if st.t is not None and now - st.t < INTERVAL_S:
+    if st.t is not None and now - st.t < max(INTERVAL_S, 100 * st.cost):  # sampling: at most ~1% of the time
         return st.threads
     import torch
 
@@ -142,6 +146,7 @@ def fit_threads() -> int | None:
         busy, own, waits = sample_cpu()
     except (OSError, ValueError):
         return current
+    st.cost = time.monotonic() - now  # grows with the process's threads (one schedstat file each)
     if st.t is not None:
         elapsed = now - st.t
         free = free_cpus(busy - st.busy, own - st.own, elapsed, _CPUS, usable_cpus())
