@@ -22,8 +22,10 @@ for comparison; ``--modes env:OMP_WAIT_POLICY=passive`` or ``threads:1`` try oth
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +41,13 @@ def busy_loop() -> subprocess.Popen:
     (as a job started from another terminal: on Linux another autogroup, scheduled as a group against ours)."""
     new = os.environ.get("CONTENTION_BUSY_SESSION") == "new"
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=new)
+
+
+def scratch_dir(name: str) -> str:
+    """A temporary directory for the runs' outputs, removed when the worker exits."""
+    path = tempfile.mkdtemp(prefix=f"contention-{name}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def gen_workload():
@@ -65,7 +74,7 @@ def sft_workload(steps: int = 24):
     from spinwheel.train.sft import train_sft
     from spinwheel.train.sft_config import SFTConfig
 
-    tmp = tempfile.mkdtemp(prefix="contention-sft-")
+    tmp = scratch_dir("sft")
     runs = iter(range(10**6))
 
     def measure() -> float:
@@ -87,7 +96,7 @@ def sft_workload(steps: int = 24):
 def grpo_workload(steps: int = 6):
     from spinwheel.rl.llm import RLConfig, train_rl
 
-    tmp = tempfile.mkdtemp(prefix="contention-grpo-")
+    tmp = scratch_dir("grpo")
     runs = iter(range(10**6))
 
     def measure() -> float:
