@@ -30,6 +30,7 @@ from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
+from spinwheel.threads import fit_threads
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class LLMEngine:
     def step_groups(self, stream: bool = True) -> list[SequenceGroup]:
         """``step`` for a caller that builds its own outputs from the groups (the engine process sends only what
         is new in each); the finished ones are already forgotten here."""
+        fit_threads()  # fewer threads while other processes hold cores (spinwheel.threads)
         with flush_denormal(self.config.flush_denormal):
             out = self.scheduler.schedule()
             step = self.runner.run(out)

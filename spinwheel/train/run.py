@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from spinwheel.threads import fit_threads
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.interrupt import Interrupted, StopOnSignal, any_rank
 from spinwheel.train.learners import Learner, is_main_process
@@ -242,6 +243,7 @@ class Run:
         with StopOnSignal(self.distributed) as stop:
             self._stop = stop
             for step in bar:
+                fit_threads()  # fewer threads while other processes hold cores (spinwheel.threads)
                 try:
                     record = {"step": step + 1, **job.step(step)}
                 except StepFailed as e:
