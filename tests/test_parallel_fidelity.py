@@ -70,6 +70,12 @@ LAYOUTS_4 = [
     ("dp2xtp2-zero1-clip", dict(dp=2, tp=2, zero=1, bucket_mb=0.02, clip=True)),
     ("dp2xpp2-zero1-tied-clip", dict(dp=2, pp=2, zero=1, microbatches=2, tied=True, clip=True)),
     ("tp2xpp2-clip", dict(tp=2, pp=2, microbatches=2, clip=True)),
+    # Constant-size buffers (--fsdp-buffer-mb, test_parallel_buffers) inside the composed layouts.
+    ("zero3-dp4-cb", dict(zero=3, fsdp_buffer_mb=0.005)),
+    ("hsdp-2x2-cb-remat-clip", dict(hsdp=2, remat=True, clip=True, fsdp_buffer_mb=0.005)),
+    ("dp2xtp2-fsdp-tied-cb", dict(dp=2, tp=2, fsdp=True, tied=True, fsdp_buffer_mb=0.005)),
+    ("dp2xpp2-fsdp-cb", dict(dp=2, pp=2, fsdp=True, microbatches=2, fsdp_buffer_mb=0.005)),
+    ("fsdp-dp4-accum-cb", dict(fsdp=True, microbatches=2, fsdp_buffer_mb=0.005)),
 ]
 
 
@@ -83,7 +89,7 @@ def refs(fidelity_refs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
 def test_layouts_match_single_process(world_size, layouts, refs):
-    results = spawn(run_layouts, world_size, args=(layouts, refs), timeout_s=240)
+    results = spawn(run_layouts, world_size, args=(layouts, refs), timeout_s=480)
     check_layouts(results, layouts)
 
 
