@@ -257,9 +257,9 @@ def pa_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_partitioned_checkpoints_in_one_buffer():
+def test_partitioned_checkpoints_in_one_buffer(two_ranks):
     """Pa and Pa+cpu: the buffer holds each rank's slices, S·4·⌈B·T·C / 2⌉ bytes (S = 4 or ⌈4/k⌉ checkpoints)."""
-    for res in spawn(pa_worker, TP, timeout_s=240):
+    for res in (r["pa"] for r in two_ranks):
         for mode, k, partition in PA_RUNS:
             plain, contiguous = res[(mode, k, partition), False], res[(mode, k, partition), True]
             checkpoints = 4 if mode == "block" else math.ceil(4 / (k or 2))
@@ -302,10 +302,20 @@ def stage_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+def both_workers(rank: int, world_size: int) -> dict:
+    return {"pa": pa_worker(rank, world_size), "stage": stage_worker(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The Pa runs (tp 2) and the stage-mode runs (pp 2) in one spawned world of TP = 2 ranks."""
+    return spawn(both_workers, TP, timeout_s=360)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_stage_mode_buffer_holds_the_inputs_in_flight():
-    for res in spawn(stage_worker, 2, timeout_s=240):
+def test_stage_mode_buffer_holds_the_inputs_in_flight(two_ranks):
+    for res in (r["stage"] for r in two_ranks):
         s = res["stage"]
         input_bytes = 8 * ROWS * T if s == 0 else 4 * ROWS * T * C  # token ids (int64) / hidden states (fp32)
         for schedule, in_flight in (("gpipe", M), ("1f1b", 2 - s)):
