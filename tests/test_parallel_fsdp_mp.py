@@ -157,12 +157,22 @@ def test_hsdp_mixed_precision_matches_single_process_policy():
             assert res[name]["loss_err"] < 1e-6 and res[name]["param_err"] < 1e-6, (name, res[name])
 
 
+def run_then_resume(rank: int, world_size: int, layouts, refs: dict, path: str) -> dict:
+    """:func:`run`, then :func:`resume` on the same ranks (one spawned world for both)."""
+    return {"layouts": run(rank, world_size, layouts, refs), "resume": resume(rank, world_size, path)}
+
+
 @pytest.fixture(scope="module")
-def results(refs):
-    return {
-        dp: spawn(run, dp, args=(LAYOUTS, {name: refs[dp, name] for name, _ in LAYOUTS}), timeout_s=300)
-        for dp in (1, 2)
-    }
+def two_ranks(refs, tmp_path_factory) -> list[dict]:
+    dp2_refs = {name: refs[2, name] for name, _ in LAYOUTS}
+    path = str(tmp_path_factory.mktemp("resume"))
+    return spawn(run_then_resume, 2, args=(LAYOUTS, dp2_refs, path), timeout_s=480)
+
+
+@pytest.fixture(scope="module")
+def results(refs, two_ranks):
+    one = spawn(run, 1, args=(LAYOUTS, {name: refs[1, name] for name, _ in LAYOUTS}), timeout_s=300)
+    return {1: one, 2: [r["layouts"] for r in two_ranks]}
 
 
 @pytest.mark.slow
@@ -218,6 +228,6 @@ def resume(rank: int, world_size: int, path: str) -> tuple[list[float], list[flo
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_mixed_precision_resumes_from_sharded_masters(tmp_path):
-    for uninterrupted, halves in spawn(resume, 2, args=(str(tmp_path),), timeout_s=240):
+def test_mixed_precision_resumes_from_sharded_masters(two_ranks):
+    for uninterrupted, halves in (r["resume"] for r in two_ranks):
         assert halves == uninterrupted  # the fp32 masters and Adam moments are the whole training state
