@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spinwheel.rl.llm.algorithms import ALGORITHMS
-from spinwheel.rl.llm.token_losses import gspo_loss, token_weights
+from spinwheel.rl.llm.token_losses import grpo_loss, token_weights
 
 
 def _formula(logp, old, adv, mask, eps_low, eps_high) -> float:
@@ -33,7 +33,7 @@ def test_gspo_loss_equals_the_formula(eps):
     logp = old + torch.randn(5, 4, generator=g) * 0.3  # ratios far enough from 1 that some clip
     adv = torch.tensor([1.0, -0.5, 0.7, 0.0, -1.2])
     weights = token_weights(mask, "seq-mean-token-mean")
-    loss, stats = gspo_loss(logp, old, adv[:, None] * mask, weights, eps_low=eps[0], eps_high=eps[1])
+    loss, stats = grpo_loss(logp, old, adv[:, None] * mask, weights, eps_low=eps[0], eps_high=eps[1], level="sequence")
     assert float(loss) == pytest.approx(_formula(logp, old, adv, mask, *eps), rel=1e-6)
     if eps[0] < 1e-3:
         assert float(stats["clip_frac"]) > 0  # the narrow paper range clips here: both branches are exercised
@@ -45,9 +45,8 @@ def test_gspo_gradient_is_the_sequence_ratio_times_the_mean_token_gradient():
     old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]])
     logp = (old + torch.tensor([[0.01, -0.02, 0.0], [0.0, 0.01, 0.02]])).requires_grad_()
     adv = torch.tensor([1.0, -1.0])
-    loss, _ = gspo_loss(
-        logp, old, adv[:, None] * mask, token_weights(mask, "seq-mean-token-mean"), eps_low=1, eps_high=1
-    )
+    weights = token_weights(mask, "seq-mean-token-mean")
+    loss, _ = grpo_loss(logp, old, adv[:, None] * mask, weights, eps_low=1, eps_high=1, level="sequence")
     loss.backward()
     s = (((logp - old) * mask).sum(1) / mask.sum(1)).exp().detach()
     expected = -(adv * s / 2)[:, None] * mask / mask.sum(1, keepdim=True)

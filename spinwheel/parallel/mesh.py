@@ -55,6 +55,18 @@ def _local_axis(name: str) -> Axis:
     return Axis(name, (0,), 0, None)
 
 
+class _AxisOf:
+    """``dims.tp_axis`` and the like: the named axis of the process mesh (:meth:`ParallelDims.axis`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, dims: ParallelDims | None, owner: type) -> Axis:
+        if dims is None:
+            raise AttributeError(f"{self.name}_axis belongs to a ParallelDims instance")
+        return dims.axis(self.name)
+
+
 @dataclass
 class ParallelDims:
     """Degrees of each parallel axis; ``dp_replicate × dp_shard × tp × pp`` must equal ``world_size``.
@@ -189,29 +201,12 @@ class ParallelDims:
                 raise ParallelError("process groups are not built: call ParallelDims.create() or build_groups()")
         return self.axes[name]
 
-    @property
-    def tp_axis(self) -> Axis:
-        return self.axis("tp")
-
-    @property
-    def pp_axis(self) -> Axis:
-        return self.axis("pp")
-
-    @property
-    def dp_axis(self) -> Axis:
-        return self.axis("dp")
-
-    @property
-    def dp_shard_axis(self) -> Axis:
-        return self.axis("dp_shard")
-
-    @property
-    def dp_replicate_axis(self) -> Axis:
-        return self.axis("dp_replicate")
-
-    @property
-    def pp_ends_axis(self) -> Axis:
-        return self.axis("pp_ends")
+    tp_axis = _AxisOf("tp")
+    pp_axis = _AxisOf("pp")
+    dp_axis = _AxisOf("dp")
+    dp_shard_axis = _AxisOf("dp_shard")
+    dp_replicate_axis = _AxisOf("dp_replicate")
+    pp_ends_axis = _AxisOf("pp_ends")
 
     # ----------------------------------------------------------------------------------------------------------
     def validate_model(self, config) -> None:

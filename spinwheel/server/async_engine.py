@@ -20,11 +20,20 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from spinwheel.engine import LLMEngine, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def pending(commands: queue.Queue) -> Iterator:
+    """What is in the queue now, oldest first, without waiting."""
+    while True:
+        try:
+            yield commands.get_nowait()
+        except queue.Empty:
+            return
 
 
 class EngineDeadError(RuntimeError):
@@ -161,11 +170,7 @@ class AsyncEngine(StreamingEngine):
 
     # ---- engine thread ----
     def _apply_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in pending(self._commands):
             if command[0] == "add":
                 _, request_id, prompt, params, stream = command
                 try:

@@ -39,7 +39,7 @@ class _Request:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-class ChatCompletions:
+class ChatCompletions(generation.Endpoint):
     def __init__(
         self,
         model: ServedModel,
@@ -50,12 +50,6 @@ class ChatCompletions:
     ) -> None:
         self.model, self.tokenizer, self.engine, self.on_error = model, tokenizer, engine, on_error
         self.renderer = renderer or ChatRenderer(tokenizer)
-
-    async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
-        req = await self._prepare(body)
-        if not body.stream:
-            return await self._respond(req, request)
-        return self._stream(req)
 
     async def _prepare(self, body: ChatCompletionRequest) -> _Request:
         self.model.check_name(body.model)

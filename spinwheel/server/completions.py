@@ -45,7 +45,7 @@ class _Request:
         return _drop_outputs(out) if self.prompt_only else out
 
 
-class Completions:
+class Completions(generation.Endpoint):
     def __init__(
         self, model: ServedModel, tokenizer: Tokenizer, engine: AsyncEngine, on_error: Callable[[int], None]
     ) -> None:
@@ -61,12 +61,6 @@ class Completions:
         if isinstance(raw[0], int):
             return [None], [list(raw)]  # type: ignore[arg-type]
         return [None] * len(raw), [list(p) for p in raw]  # type: ignore[union-attr]
-
-    async def __call__(self, body: CompletionRequest, request: Request) -> Response:
-        req = await self._prepare(body)
-        if not body.stream:
-            return await self._respond(req, request)
-        return self._stream(req)
 
     async def _prepare(self, body: CompletionRequest) -> _Request:
         """Check the request, tokenize its prompts (off the event loop when large) and map it to the engine's

@@ -39,7 +39,7 @@ from spinwheel.engine.isolation import INTERNAL_ERROR
 from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
-from spinwheel.server.async_engine import EngineStepError
+from spinwheel.server.async_engine import EngineStepError, pending
 from spinwheel.server.output_deltas import DeltaEncoder
 
 logger = logging.getLogger(__name__)
@@ -166,11 +166,7 @@ class EngineCore:
 
     def _apply_commands(self) -> None:
         failed: list[tuple[str, BaseException]] = []
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for command in pending(self._commands):
             if command[0] == "add":
                 _, request_id, prompt, params = command
                 try:

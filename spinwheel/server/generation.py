@@ -23,6 +23,26 @@ INLINE_WORK = 2048  # characters (or token ids) tokenized on the event loop itse
 T = TypeVar("T")
 
 
+class Endpoint:
+    """An OpenAI generation route: the request is checked and mapped to the engine's parameters (``_prepare``),
+    then answered whole (``_respond``) or streamed as server-sent events (``_stream``)."""
+
+    async def __call__(self, body: Any, request: Request) -> Response:
+        req = await self._prepare(body)
+        if not body.stream:
+            return await self._respond(req, request)
+        return self._stream(req)
+
+    async def _prepare(self, body: Any) -> Any:
+        raise NotImplementedError
+
+    async def _respond(self, req: Any, request: Request) -> Response:
+        raise NotImplementedError
+
+    def _stream(self, req: Any) -> Response:
+        raise NotImplementedError
+
+
 async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on a worker thread when its input is large (``size`` characters or token ids), so that one
     big body does not stall every other connection; inline when small, where the thread hop would cost more. The

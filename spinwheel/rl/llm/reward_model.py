@@ -25,15 +25,8 @@ from spinwheel.models.transformer import Transformer, scalar_head_model
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
+from spinwheel.rl.llm import pref_loop
 from spinwheel.rl.llm.pref_config import RMConfig
-from spinwheel.rl.llm.pref_loop import (
-    PairJob,
-    forward_rows,
-    make_learner,
-    pair_postfix,
-    run_pair_command,
-    sample_policy,
-)
 from spinwheel.rl.llm.preference_data import (
     PreferencePair,
     arithmetic_pairs,
@@ -86,7 +79,7 @@ def score_pairs(
     ties counted wrong) and ``margin`` (mean score gap). Collective under torchrun."""
     if not pairs:
         return {"accuracy": float("nan"), "margin": float("nan")}
-    r = forward_rows(
+    r = pref_loop.forward_rows(
         learner,
         pairs,
         lambda part: rm_batch(part, pad_id, device),
@@ -171,7 +164,7 @@ def _policy_mistakes(config: RMConfig, tokenizer: Tokenizer, dims: ParallelDims 
     engine = dataclasses.asdict(config.engine)
     engine.update(max_model_len=max(len(p.ids) for p in prompts) + config.max_new_tokens + 1, seed=config.seed)
     llm = LLM(policy, policy_tokenizer, **engine)
-    groups = sample_policy(llm, prompts, config, dims)
+    groups = pref_loop.sample_policy(llm, prompts, config, dims)
     llm.close()
     return mistake_pairs(groups, tokenizer, add_eos=False)
 
@@ -183,7 +176,7 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
     Under ``torchrun`` with more than one process this trains on the parallel trainer (``config.parallel``; any
     layout: a 1-row score head stays whole under tensor parallelism); otherwise in this process.
     """
-    return run_pair_command(config, "rm", _train)
+    return pref_loop.run_pair_command(config, "rm", _train)
 
 
 def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, Any]:
@@ -198,7 +191,7 @@ def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, A
     model.config.pad_token_id = pad_id  # HF's sequence classifiers pool the last token that is not the pad
     train_pairs, eval_pairs, dropped = _pairs(config, tokenizer, model.config.max_position_embeddings)
     mistakes = _policy_mistakes(config, tokenizer, dims) if config.policy is not None else []
-    learner = make_learner(model, config, dims)
+    learner = pref_loop.make_learner(model, config, dims)
     if run.state is not None:
         learner.load(run.ckpt_dir, run.state)
     run.open_log(learner.is_main)
@@ -221,12 +214,12 @@ def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, A
 
     model.train()
     build = lambda part: rm_batch(part, pad_id, config.device)  # noqa: E731
-    job = PairJob(config, run, learner, train_pairs, build, bradley_terry_pair_loss, evaluate, save)
+    job = pref_loop.PairJob(config, run, learner, train_pairs, build, bradley_terry_pair_loss, evaluate, save)
     curves = [
         ("loss", "Bradley-Terry loss"),
         ("accuracy", "train pair accuracy"),
         ("eval_accuracy", "held-out accuracy (random wrong)"),
         ("eval_policy_accuracy", "held-out accuracy (policy's mistakes)"),
     ]
-    result = run.train(job, curves, f"RM {config.model}", pair_postfix)
+    result = run.train(job, curves, f"RM {config.model}", pref_loop.pair_postfix)
     return {**result, "num_policy_pairs": len(mistakes)}

@@ -189,6 +189,7 @@ def grpo_loss(
     eps_high: float = 0.2,
     kl_estimator: KLEstimator = "k3",
     is_weights: Tensor | None = None,
+    level: Literal["token", "sequence"] = "token",
 ) -> tuple[Tensor, Stats]:
     """GRPO loss (DeepSeekMath eq. (3), negated): ``Σ w · (ρ · (-min(r·A, clip(r)·A)) + β · KL_t)``.
 
@@ -197,37 +198,39 @@ def grpo_loss(
     ``ref_logp`` may be omitted when ``beta == 0``. With ``weights`` from ``token_weights(mask,
     "seq-mean-token-mean")`` this is the paper's ``1/G Σ_i 1/|o_i| Σ_t``; Dr. GRPO is ``"seq-mean-token-sum-norm"``
     weights with advantages from ``group_advantages(..., scale_std=False)``; DAPO is ``"token-mean"`` with
-    ``eps_high > eps_low`` and ``beta = 0``.
+    ``eps_high > eps_low`` and ``beta = 0``. ``level="sequence"`` is GSPO (the ratio and its clip per sequence:
+    :func:`sequence_clipped_policy_loss`, as TRL's ``importance_sampling_level``).
 
-    stats: those of :func:`clipped_policy_loss`, plus ``kl`` (``Σ w · KL_t``, when ``ref_logp`` is given) and
-    ``loss``.
+    stats: those of the surrogate, plus ``kl`` (``Σ w · KL_t``, when ``ref_logp`` is given) and ``loss``.
     """
-    loss, stats = clipped_policy_loss(logp, old_logp, advantages, weights, eps_low, eps_high, is_weights)
+    surrogate = clipped_policy_loss if level == "token" else sequence_clipped_policy_loss
+    loss, stats = surrogate(logp, old_logp, advantages, weights, eps_low, eps_high, is_weights)
     return _with_kl_penalty(loss, stats, logp, ref_logp, weights, beta, kl_estimator)
 
 
-def gspo_loss(
+def sequence_clipped_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
     weights: Tensor,
-    ref_logp: Tensor | None = None,
-    beta: float = 0.0,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
-    kl_estimator: KLEstimator = "k3",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
-    """GSPO loss (Zheng et al. 2025, arXiv 2507.18071, eqs. (5)–(7), negated): the importance ratio and its clip
-    are per *sequence*: ``s_i = (π(y_i|x) / π_old(y_i|x))^(1/|y_i|) = exp(mean_t (logp − old_logp))`` and
-    ``loss = Σ_i ω_i · (-min(s_i·A_i, clip(s_i, 1 − eps_low, 1 + eps_high)·A_i)) + β · Σ w · KL_t``.
+    """GSPO's surrogate (Zheng et al. 2025, arXiv 2507.18071, eqs. (5)–(7), negated): the importance ratio and its
+    clip are per *sequence*: ``s_i = (π(y_i|x) / π_old(y_i|x))^(1/|y_i|) = exp(mean_t (logp − old_logp))`` and
+    ``loss = Σ_i ω_i · (-min(s_i·A_i, clip(s_i, 1 − eps_low, 1 + eps_high)·A_i))``.
 
     ``weights`` (B, T) from ``token_weights(mask, "seq-mean-token-mean")``: a row's weight ``ω_i = Σ_t w_it`` is the
     paper's ``1/G`` (over the global batch), and ``w_it / ω_i = 1/|y_i|`` averages the row's log-ratio; rows of
-    weight 0 do not count. ``advantages`` (B,) or (B, T) holding the row's advantage on its tokens.
+    weight 0 do not count. ``advantages`` (B,) or (B, T) holding the row's advantage on its tokens. Token-level
+    importance weights do not apply to a sequence ratio (``is_weights`` must be None).
 
     stats: ``policy_loss``, ``clip_frac`` (weighted share of sequences whose clip is active), ``ratio_mean`` (of
-    ``s_i``), ``approx_kl`` (token k3 of ``KL(π_old ‖ π)``), ``kl`` (with ``ref_logp``), ``loss``.
+    ``s_i``), ``approx_kl`` (token k3 of ``KL(π_old ‖ π)``), ``weight_sum``.
     """
+    if is_weights is not None:
+        raise ValueError("token-level importance weights do not apply to GSPO's sequence ratio; drop --tis-cap")
     row_w = weights.sum(-1)  # (B,)
     live = weights != 0
     inner = torch.where(live, weights / row_w.clamp_min(torch.finfo(weights.dtype).tiny)[:, None], 0.0)
@@ -246,7 +249,7 @@ def gspo_loss(
             "approx_kl": (weights * (torch.expm1(log_ratio) - log_ratio)).sum(),
             "weight_sum": weights.sum(),
         }
-    return _with_kl_penalty(loss, stats, logp, ref_logp, weights, beta, kl_estimator)
+    return loss, stats
 
 
 def clipped_value_loss(

@@ -31,6 +31,7 @@ class GroupPolicyGradient(Algorithm):
     """Outcome advantages from the group of G samples, the clipped surrogate per token, β·KL in the loss."""
 
     kl_in_loss = True
+    ratio_level = "token"  # GSPO: "sequence"
 
     def prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
         return {"advantages": self.advantages(rewards, mask, old_logprobs, ref_logprobs)}
@@ -57,7 +58,7 @@ class GroupPolicyGradient(Algorithm):
     def token_loss(
         self, logp: torch.Tensor, old: torch.Tensor, mb: Batch, is_weights: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The clipped surrogate of the micro-batch's tokens and β·KL (GSPO overrides it with its sequence ratio)."""
+        """The clipped surrogate of the micro-batch's tokens (ratio per token, or per sequence) and β·KL."""
         c = self.config
         return grpo_loss(
             logp,
@@ -70,6 +71,7 @@ class GroupPolicyGradient(Algorithm):
             eps_high=c.eps_high,
             kl_estimator=c.kl_estimator,
             is_weights=is_weights,
+            level=self.ratio_level,
         )
 
 
