@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from spinwheel.config import check_ranges, option
+from spinwheel.models.hf import resolve_dtype
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
-from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy, parse_dtype
+from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.remat import PARTITION_MODES, REMAT_MODES, PartitionMode, RematMode
 
 
@@ -152,7 +153,7 @@ class ParallelConfig:
         """The FSDP/ZeRO-3 mixed-precision policy these options ask for (None: parameters' own dtype throughout)."""
         if self.fsdp_param_dtype is None and self.fsdp_reduce_dtype is None:
             return None
-        return MixedPrecisionPolicy(parse_dtype(self.fsdp_param_dtype), parse_dtype(self.fsdp_reduce_dtype))
+        return MixedPrecisionPolicy(resolve_dtype(self.fsdp_param_dtype), resolve_dtype(self.fsdp_reduce_dtype))
 
     def make_dims(self) -> ParallelDims:
         """Build the rank grid (and process groups) for this layout from the initialised world."""

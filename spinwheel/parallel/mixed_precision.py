@@ -19,17 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bf16"`` / ``torch.bfloat16`` / ``None`` -> a torch dtype or None, with a readable error."""
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
