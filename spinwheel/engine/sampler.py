@@ -108,6 +108,14 @@ class Sampler:
 
         raw = logits
         logits = self._apply_penalties(logits, rows)
+        processed = [i for i, row in enumerate(rows) if row.params.logprobs_mode == "processed" and want_logprobs[i]]
+        if processed:  # the drawing distribution before truncation: penalised logits / T
+            assert raw_logprobs is not None
+            index = torch.tensor(processed, device=logits.device)
+            temps = [max(rows[i].params.temperature, SAMPLING_EPS) for i in processed]
+            scaled = logits[index] / torch.tensor(temps, device=logits.device)[:, None]
+            raw_logprobs = raw_logprobs.clone()
+            raw_logprobs[index] = torch.log_softmax(scaled, dim=-1)
         is_greedy = [row.params.temperature < SAMPLING_EPS for row in rows]
         greedy = torch.tensor(is_greedy, device=logits.device)
         if all(is_greedy):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 # |length_penalty| at most: length ** length_penalty stays a finite, non-zero float for any context length (up to
 # 2^31 tokens: 2^±310), so beam scores never overflow or divide by zero. Usual values are 0 to 2.
@@ -25,7 +26,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``use_beam_search`` keeps ``n`` beams and returns the ``n`` best finished
     hypotheses, following Hugging Face ``generate(num_beams=n, do_sample=False)`` (see ``beam_search.py``).
     Log-probabilities reported by ``logprobs`` / ``prompt_logprobs`` are those of the model's raw distribution
-    (log-softmax of the logits before penalties, ``logit_bias``, temperature and truncation). A request with
+    (log-softmax of the logits before penalties, ``logit_bias``, temperature and truncation); with
+    ``logprobs_mode="processed"`` those of generated tokens are of the distribution the sample was drawn from
+    before truncation (after penalties, bias and temperature: an RL trainer's tempered policy). A request with
     ``prompt_logprobs`` computes its whole prompt (it reads nothing from the prefix cache, whose blocks hold K/V but
     not the logits it needs); what it computes is cached for others. ``logit_bias`` maps a token id to a value in
     [-100, 100] added to its logit before sampling (OpenAI's field): +100 all but forces the token, -100 all but
@@ -49,6 +52,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k log-probs per generated token (the sampled token is always included)
+    logprobs_mode: Literal["raw", "processed"] = "raw"  # of the raw logits, or after penalties and temperature
     prompt_logprobs: int | None = None  # top-k log-probs per prompt token given its prefix (None for the first)
     logit_bias: dict[int, float] | None = None
     use_beam_search: bool = False
@@ -99,6 +103,11 @@ class SamplingParams:
                 name,
                 f"{name} must be None or an integer >= 0, got {value!r}",
             )
+        _check(
+            self.logprobs_mode in ("raw", "processed"),
+            "logprobs_mode",
+            f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}",
+        )
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         for token, bias in (self.logit_bias or {}).items():
             _check(

@@ -82,6 +82,7 @@ class ParallelTrainer:
         self.config = config
         self.dims = dims or config.make_dims()
         self.scalar_head = is_scalar_head(model.config)
+        self.temperature = 1.0  # log-probs of logits / T (an RL learner sets its rollouts' temperature)
         self.pm = parallelize(
             model,
             self.dims,
@@ -152,6 +153,8 @@ class ParallelTrainer:
         return [{k: parts[k][i] for k in local} for i in range(m)]
 
     def _outputs(self, out: torch.Tensor, mb: Batch, entropy: bool) -> TokenOutputs:
+        if self.temperature != 1.0 and not self.scalar_head:
+            out = out / self.temperature  # the policy that samples at temperature T (RL)
         return token_outputs(
             out, mb["labels"], self.dims.tp_axis, self.dims.comm, scalar_head=self.scalar_head, entropy=entropy
         )

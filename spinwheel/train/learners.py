@@ -71,19 +71,21 @@ class Learner(Protocol):
     def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None: ...
 
 
-def local_outputs(model: nn.Module, batch: Batch, entropy: bool) -> TokenOutputs:
-    """The reference per-token outputs: one plain forward, log-softmax over the full vocabulary. A batch that says
-    where its prompts end (``prompt_lens``, ``completion_lens``) runs each distinct prompt once where that is
-    cheaper (:func:`shared_prompt_outputs`)."""
+def local_outputs(model: nn.Module, batch: Batch, entropy: bool, temperature: float = 1.0) -> TokenOutputs:
+    """The reference per-token outputs: one plain forward, log-softmax over the full vocabulary of the logits / T
+    (the policy that samples at temperature T). A batch that says where its prompts end (``prompt_lens``,
+    ``completion_lens``) runs each distinct prompt once where that is cheaper (:func:`shared_prompt_outputs`)."""
     if "prompt_lens" in batch and not is_scalar_head(model.config):
         packed = SharedPrompts.of(batch)
         if packed is not None and packed.cost(model.config) < PACKING_MARGIN * plain_cost(
             model.config, *batch["input_ids"].shape
         ):
-            return shared_prompt_outputs(model, batch, packed, entropy)
+            return shared_prompt_outputs(model, batch, packed, entropy, temperature)
     out = model(batch["input_ids"])
     if is_scalar_head(model.config):
         return TokenOutputs(values=out[..., 0].float())
+    if temperature != 1.0:
+        out = out / temperature
     ent = None
     if entropy:
         with torch.no_grad():
@@ -98,8 +100,8 @@ class LocalLearner:
     is_main = True
     distributed = False
 
-    def __init__(self, model: Transformer, optim: OptimConfig | None) -> None:
-        self.model, self.optim = model, optim
+    def __init__(self, model: Transformer, optim: OptimConfig | None, temperature: float = 1.0) -> None:
+        self.model, self.optim, self.temperature = model, optim, temperature
         self.optimizer = (
             build_adamw(model, optim.lr, optim.weight_decay, fused=optim.fused) if optim is not None else None
         )
@@ -108,7 +110,7 @@ class LocalLearner:
     def train_step(self, batch: Batch, loss_fn: LossFn, lr: float, *, entropy: bool = False) -> StepResult:
         assert self.optimizer is not None and self.optim is not None, "a frozen learner cannot train"
         set_lr(self.optimizer, lr)
-        loss, stats = loss_fn(local_outputs(self.model, batch, entropy), batch)
+        loss, stats = loss_fn(local_outputs(self.model, batch, entropy, self.temperature), batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
@@ -121,7 +123,7 @@ class LocalLearner:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = local_outputs(self.model, batch, entropy)
+            out = local_outputs(self.model, batch, entropy, self.temperature)
         finally:
             self.model.train(was_training)
         return {k: v for k, v in vars(out).items() if v is not None}
@@ -171,6 +173,7 @@ class ParallelLearner:
         dims: ParallelDims | None = None,
         *,
         engine_copy: str = "main",
+        temperature: float = 1.0,
     ) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
@@ -200,6 +203,7 @@ class ParallelLearner:
             weight_decay=optim.weight_decay if optim else 0.0,
             decays=decays,
         )
+        self.trainer.temperature = temperature
         self.shares_weights = wants and _holds_full_weights(self.trainer)
         self.engine_model = model if self.shares_weights else copy_before  # type: ignore[assignment]
 

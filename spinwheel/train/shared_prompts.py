@@ -82,7 +82,9 @@ class SharedPrompts:
         return out
 
 
-def shared_prompt_outputs(model: Transformer, batch: Batch, packed: SharedPrompts, entropy: bool) -> TokenOutputs:
+def shared_prompt_outputs(
+    model: Transformer, batch: Batch, packed: SharedPrompts, entropy: bool, temperature: float = 1.0
+) -> TokenOutputs:
     """:func:`local_outputs` of rollout rows (``prompt + completion``, right-padded) with every distinct prompt run
     once for all the completions that continue it — G of them in a GRPO group — instead of once per row.
 
@@ -113,6 +115,8 @@ def shared_prompt_outputs(model: Transformer, batch: Batch, packed: SharedPrompt
     )  # (P, L, C)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(packed.src, device=device))
     logits = model.lm_head(picked)  # (M, V), M = Σ c
+    if temperature != 1.0:
+        logits = logits / temperature
     where = torch.tensor(packed.dst, device=device)
     logp = token_logprobs(logits, torch.tensor(packed.tgt, device=device))  # (M,)
     out = TokenOutputs(logprobs=logp.new_zeros(b * t).index_copy(0, where, logp).view(b, t))

@@ -56,7 +56,10 @@ class RLConfig(RunConfig):
     group_size: int = option(8, help="completions sampled per prompt (G)", group="rollout")
     max_new_tokens: int = option(8, help="max tokens per completion", group="rollout")
     temperature: float = option(
-        1.0, help="sampling temperature of the rollouts (the loss uses the untempered policy)", group="rollout"
+        1.0,
+        help="sampling temperature of the rollouts; the loss uses the same tempered policy (logits / T), as TRL "
+        "and verl",
+        group="rollout",
     )
     top_p: float = option(1.0, help="nucleus sampling of the rollouts", group="rollout")
     epochs: int = option(1, help="optimisation passes over each rollout batch (μ)", group="optimizer")

@@ -116,10 +116,11 @@ class RLJob:
 
     def make_learner(self, model, optim: OptimConfig | None) -> Learner:
         """A learner on the run's layout (the parallel trainer under torchrun); ``optim=None``: frozen."""
+        t = self.config.temperature  # the loss's log-probs are those of the policy that samples at T
         if self.dims is None:
-            return LocalLearner(model, optim)
+            return LocalLearner(model, optim, temperature=t)
         copy = "all" if optim is not None and model.config.num_labels is None else "none"
-        return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy)
+        return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy, temperature=t)
 
     def _reward(self):
         """(reward function of (completions, context), its name); the context is the answers, or the prompts'

@@ -44,7 +44,7 @@ class Rollout:
     prompts: list[Prompt]  # the step's P prompts
     group_size: int
     completion_ids: list[list[int]]  # (B) token ids, EOS included when the completion stopped on it
-    engine_logprobs: list[list[float]]  # (B) the engine's log-prob of each sampled token (raw, untempered)
+    engine_logprobs: list[list[float]]  # (B) the engine's log-prob of each sampled token (tempered)
     texts: list[str]  # (B) decoded completions
 
     @property
@@ -100,6 +100,7 @@ def generate_rollout(
             max_tokens=max_new_tokens,
             seed=sample_seed(seed, step, first + k),  # the prompt's global index: the same samples on any layout
             logprobs=0,
+            logprobs_mode="processed",  # of the tempered distribution the tokens were drawn from
         )
         for k in range(len(own))
     ]
