@@ -68,38 +68,9 @@ class PPO:
                 optimizer.zero_grad()
                 minibatch_stats = torch.zeros(len(_STATS) + 1)
                 if share > 0:  # a rank may hold none of a small minibatch; it still joins the sum
-                    pd = actor(batch.obs[idx])
-                    log_probs = actor.log_prob(pd, batch.actions[idx])
-                    values = self.policy.value(batch.obs[idx])
-                    if pd_old is None:
-                        pg_loss, pg_stats = ppo_clip_loss(log_probs, batch.log_probs[idx], advantages, cfg.clip_range)
-                        last_stat = pg_stats["clip_frac"]
-                    else:
-                        pg_loss, pg_stats = ppo_penalty_loss(
-                            log_probs, batch.log_probs[idx], advantages, actor.kl(pd_old[idx], pd), self.beta
-                        )
-                        last_stat = pg_stats["surrogate"]
-                    v_loss, _ = value_loss(values, batch.returns[idx], batch.values[idx], cfg.clip_range_vf)
-                    loss = pg_loss + cfg.vf_coef * v_loss
-                    if cfg.ent_coef != 0.0:
-                        ent_loss, _ = entropy_loss(actor.entropy(pd))
-                        loss = loss + cfg.ent_coef * ent_loss
-                    else:  # for the statistics only: keep it out of the graph
-                        ent_loss, _ = entropy_loss(actor.entropy(pd.detach()))
+                    loss, minibatch_stats = self.loss(batch, idx, advantages, pd_old)
                     (loss * share).backward()
-                    minibatch_stats = (
-                        torch.stack(
-                            [
-                                pg_loss.detach(),
-                                v_loss.detach(),
-                                -ent_loss.detach(),
-                                pg_stats["approx_kl"],
-                                pg_stats["approx_kl_k1"],
-                                last_stat,
-                            ]
-                        )
-                        * share
-                    )
+                    minibatch_stats = minibatch_stats * share
                 dp.sum_(optimizer.grad)
                 if cfg.max_grad_norm is not None:
                     optimizer.clip_grad_norm(cfg.max_grad_norm)
@@ -118,6 +89,40 @@ class PPO:
         if pd_old is not None:
             stats.update(self._adapt_beta(batch, pd_old))
         return stats
+
+    def loss(
+        self, batch: Batch, idx: Tensor | slice, advantages: Tensor, pd_old: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """The combined objective of the minibatch ``batch[idx]``, to minimise; one backward serves actor and critic.
+
+        ``L = L_policy + vf_coef · L_VF - ent_coef · S``: the negation of eq. 9 of Schulman et al. (2017),
+        ``L^{CLIP+VF+S} = E[L^CLIP - c1 L^VF + c2 S]``, with ``L_policy`` the clipped surrogate's loss (or the KL
+        penalty's when ``pd_old``, the rollout policy's distributions, is given), ``L_VF`` the squared error to the
+        λ-returns (clipped around the rollout values with ``clip_range_vf``) and ``S`` the mean entropy.
+        ``advantages`` are those of ``idx``, already normalised if configured. Returns ``(loss, stats)``, stats the
+        detached ``_STATS`` vector then clip_frac (clip) or the surrogate (penalty).
+        """
+        cfg, actor = self.config, self.policy.actor
+        pd = actor(batch.obs[idx])
+        log_probs = actor.log_prob(pd, batch.actions[idx])
+        values = self.policy.value(batch.obs[idx])
+        if pd_old is None:
+            pg_loss, pg_stats = ppo_clip_loss(log_probs, batch.log_probs[idx], advantages, cfg.clip_range)
+            last_stat = pg_stats["clip_frac"]
+        else:
+            kl = actor.kl(pd_old[idx], pd)
+            pg_loss, pg_stats = ppo_penalty_loss(log_probs, batch.log_probs[idx], advantages, kl, self.beta)
+            last_stat = pg_stats["surrogate"]
+        v_loss, _ = value_loss(values, batch.returns[idx], batch.values[idx], cfg.clip_range_vf)
+        loss = pg_loss + cfg.vf_coef * v_loss
+        if cfg.ent_coef != 0.0:
+            ent_loss, _ = entropy_loss(actor.entropy(pd))
+            loss = loss + cfg.ent_coef * ent_loss
+        else:  # for the statistics only: keep it out of the graph
+            ent_loss, _ = entropy_loss(actor.entropy(pd.detach()))
+        kl_k3, kl_k1 = pg_stats["approx_kl"], pg_stats["approx_kl_k1"]
+        stats = torch.stack([pg_loss.detach(), v_loss.detach(), -ent_loss.detach(), kl_k3, kl_k1, last_stat])
+        return loss, stats
 
     def _adapt_beta(self, batch: Batch, pd_old: Tensor) -> dict[str, float]:
         """The rollout's mean KL(π_old ‖ π_new) after the update sets the next β (statistics of this update)."""
