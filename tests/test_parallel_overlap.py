@@ -7,9 +7,9 @@
   gradient for its parameters; their bucket is zero-filled at the end of backward and all-reduced, so the ranks
   launch the same collectives and never hang, and every gradient equals the single-process one of the global
   batch.
-* **FSDP prefetch** (Zhao et al., 2023, §3.3, backward and forward prefetching): the all-gather of the next unit is issued (async) before the current
-  unit's compute finishes — in forward unit i + 1 before block i's MLP has run, in backward unit i − 1 before block
-  i's attention backward has run.
+* **FSDP prefetch** (Zhao et al., 2023, §3.3, backward and forward prefetching): the all-gather of the next unit
+  is issued (async) before the current unit's compute finishes — in forward unit i + 1 before block i's MLP has
+  run, in backward unit i − 1 before block i's attention backward has run.
 
 Each event is appended to one log: parameters' gradients ready (hooks registered before the wrapper's, so they run
 first), collectives launched and waited (the :class:`~spinwheel.parallel.comm.Comm` methods wrapped), FSDP gathers
