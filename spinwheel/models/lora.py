@@ -83,6 +83,9 @@ class LoRAConfig:
     """Projections to adapt: any of q, k, v, o, gate, up, down (a comma-separated string is accepted)."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r)."""
+    base_model_name_or_path: str | None = None
+    """The base the adapters are trained on (a checkpoint directory, Hub id or preset; PEFT's field of that name):
+    what saved adapter files name, so that the base can be loaded back under them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:

@@ -75,9 +75,9 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def save_adapter(model: Transformer, path: str | os.PathLike, base_model_name_or_path: str) -> None:
+def save_adapter(model: Transformer, path: str | os.PathLike, base_model_name_or_path: str | None = None) -> None:
     """Write ``model``'s adapters to ``path`` in PEFT's format; ``base_model_name_or_path`` names the base (what
-    ``--model`` was: a checkpoint directory, Hub id or preset)."""
+    ``--model`` was: a checkpoint directory, Hub id or preset), by default the adapters' config's."""
     layers = lora_layers(model)
     if not layers:
         raise LoRAError("the model has no LoRA adapters to save: apply_lora first, or save the full model")
@@ -87,6 +87,9 @@ def save_adapter(model: Transformer, path: str | os.PathLike, base_model_name_or
             "merge the adapters and save the full model"
         )
     config = next(iter(layers.values())).config
+    base_model_name_or_path = base_model_name_or_path or config.base_model_name_or_path
+    if not base_model_name_or_path:
+        raise LoRAError("name the adapters' base model (base_model_name_or_path) to save them: their files must say it")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     peft_config = {
@@ -137,9 +140,9 @@ def _check_supported(raw: Any, where: Path) -> None:
         )
 
 
-def read_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, str | None]:
-    """An adapter directory's :class:`LoRAConfig` and ``base_model_name_or_path``; unsupported options raise
-    :class:`LoRAError` naming the file and the option."""
+def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
+    """An adapter directory's :class:`LoRAConfig` (with the ``base_model_name_or_path`` it names); unsupported
+    options raise :class:`LoRAError` naming the file and the option."""
     where = Path(path) / ADAPTER_CONFIG
     if not where.is_file():
         raise LoRAError(f"{where}: no adapter_config.json: {path} is not a PEFT adapter directory")
@@ -155,10 +158,11 @@ def read_adapter_config(path: str | os.PathLike) -> tuple[LoRAConfig, str | None
             dropout=raw.get("lora_dropout", 0.0),
             targets=raw.get("target_modules") or (),
             use_rslora=bool(raw.get("use_rslora", False)),
+            base_model_name_or_path=raw.get("base_model_name_or_path"),
         )
     except LoRAError as e:
         raise LoRAError(f"{where}: {e}") from None
-    return config, raw.get("base_model_name_or_path")
+    return config
 
 
 def _expected_shapes(model: Transformer, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
@@ -197,12 +201,13 @@ def _check_fits(model: Transformer, sf: Any, expected: dict[str, tuple[int, ...]
             )
 
 
-def load_adapter(model: Transformer, path: str | os.PathLike, seed: int | None = None) -> LoRAConfig:
+def load_adapter(model: Transformer, path: str | os.PathLike) -> LoRAConfig:
     """Put the adapter saved in ``path`` (spinwheel's or ``peft``'s) on ``model``, in place, and return its config.
 
     Every tensor name and shape (and, for spinwheel's files, the base config) is checked against the model before
     anything changes; a mismatch is a :class:`LoRAError` naming the tensor or key and the base to load instead."""
-    config, base = read_adapter_config(path)
+    config = read_adapter_config(path)
+    base = config.base_model_name_or_path
     if lora_layers(model):
         raise LoRAError("the model already has LoRA adapters: load the adapter onto the plain base model")
     where = Path(path) / ADAPTER_WEIGHTS
@@ -217,7 +222,7 @@ def load_adapter(model: Transformer, path: str | os.PathLike, seed: int | None =
     with safe_open(str(where), framework="pt") as sf:
         _check_fits(model, sf, expected, where, base or "")
         tensors = {key: sf.get_tensor(key) for key in expected}
-    apply_lora(model, config, seed=seed)
+    apply_lora(model, config, seed=0)  # a seeded draw leaves the global RNG (a resumed run's) untouched
     params = lora_parameters(model)
     with torch.no_grad():
         for name, p in params.items():
@@ -228,7 +233,7 @@ def load_adapter(model: Transformer, path: str | os.PathLike, seed: int | None =
 def load_adapted_model(path: str | os.PathLike, **load_kwargs: Any) -> Transformer:
     """The base an adapter directory names (``base_model_name_or_path``; a relative path is tried as given, then
     beside the adapter) with the adapter on it. ``load_kwargs`` go to :func:`~spinwheel.models.hf.load_model`."""
-    _, base = read_adapter_config(path)
+    base = read_adapter_config(path).base_model_name_or_path
     if not base:
         raise LoRAError(f"{Path(path) / ADAPTER_CONFIG}: base_model_name_or_path is empty: pass the base model too")
     beside = Path(path) / base

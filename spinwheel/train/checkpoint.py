@@ -2,7 +2,11 @@
 ``trainer_state.pt`` (step, optimizer state, RNG states), written atomically: everything goes to a temporary
 directory beside the target, which then replaces the target by rename, so a crash never leaves a half-written
 checkpoint behind. The temporary directory starts private (``mkdtemp``: 0700); before the rename its modes are set
-from the umask like any directory the user creates, so colleagues on a shared filesystem can read the checkpoint."""
+from the umask like any directory the user creates, so colleagues on a shared filesystem can read the checkpoint.
+
+A model carrying LoRA adapters is written as a PEFT adapter directory instead (``adapter_config.json`` +
+``adapter_model.safetensors``, naming its base) beside the tokenizer and ``trainer_state.pt``: the frozen base is
+not copied into every checkpoint."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import numpy as np
 import torch
 
 from spinwheel.models.hf import apply_umask, save_pretrained
+from spinwheel.models.lora import lora_layers
+from spinwheel.models.lora_io import save_adapter
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 
@@ -52,7 +58,12 @@ def save_checkpoint(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        save_pretrained(model, tmp, tokenizer=tokenizer)
+        if lora_layers(model):
+            save_adapter(model, tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        else:
+            save_pretrained(model, tmp, tokenizer=tokenizer)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE_FILE)
         if extra is not None:

@@ -24,7 +24,10 @@ from typing import Any
 import torch
 
 from spinwheel.models.hf import load_model
+from spinwheel.models.lora import apply_lora
+from spinwheel.models.lora_io import load_adapter
 from spinwheel.models.tokenizer import load_tokenizer
+from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.parallel.trainer import nll_loss
 from spinwheel.train.evaluation import Generate, engine_generate, heldout_eval, plain_generate
@@ -56,6 +59,8 @@ def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool =
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     with distributed_world(config.device, config.parallel) as distributed:
+        if distributed and config.lora_rank:
+            raise ValueError("--lora-rank runs in one process for now: start spinwheel sft without torchrun")
         dims = config.parallel.make_dims()
         config.parallel.check_batch(config.batch_size, dims.dp)
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip)
@@ -86,8 +91,23 @@ def run_sft(
         )
         result["losses"] = [r["loss"] for r in result["history"]]
         if announce and job.learner.is_main:
-            print(summary(result, job.data.eval, run.out_dir), flush=True)
+            written = "PEFT adapter" if config.lora_rank else "HF format"
+            print(summary(result, job.data.eval, run.out_dir, written), flush=True)
         return result
+
+
+def load_sft_model(config: SFTConfig, run: Run, vocab_size: int) -> Transformer:
+    """The model SFT starts from: ``--model``, or the checkpoint it resumes from. With ``--lora-rank`` the base is
+    always ``--model`` (a LoRA checkpoint holds only the adapters), under fresh adapters or the checkpoint's."""
+    torch.manual_seed(config.seed)
+    lora = config.lora_config()
+    source = run.ckpt_dir if run.resumed and lora is None else config.model
+    model = load_model(source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=vocab_size)
+    if lora is not None and run.resumed:
+        load_adapter(model, run.ckpt_dir)
+    elif lora is not None:
+        apply_lora(model, lora, seed=config.seed)
+    return model
 
 
 class SFTJob:
@@ -98,18 +118,16 @@ class SFTJob:
         self, config: SFTConfig, run: Run, make_learner: Callable[[Any], Learner], on_eval: OnEval | None, announce
     ) -> None:
         self.config, self.run, self.on_eval = config, run, on_eval
-        source = run.ckpt_dir if run.resumed else config.model
-        self.tokenizer = load_tokenizer(source)
-        torch.manual_seed(config.seed)
-        model = load_model(
-            source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=self.tokenizer.vocab_size
-        )
+        self.tokenizer = load_tokenizer(run.ckpt_dir if run.resumed else config.model)
+        model = load_sft_model(config, run, self.tokenizer.vocab_size)
         num_params = sum(p.numel() for p in set(model.parameters()))
+        num_trainable = sum(p.numel() for p in set(model.parameters()) if p.requires_grad)
         self.data = data = build_data(config, self.tokenizer, max_context=model.config.max_position_embeddings)
         if run.is_main:
             if announce:
+                lora = f", LoRA r={config.lora_rank}: {num_trainable / 1e6:.3f}M trained" if config.lora_rank else ""
                 print(
-                    f"spinwheel sft: {config.model} ({num_params / 1e6:.2f}M parameters) on "
+                    f"spinwheel sft: {config.model} ({num_params / 1e6:.2f}M parameters{lora}) on "
                     f"{config.data or 'the built-in arithmetic task'}: {len(data.train)} train / {len(data.eval)} "
                     f"held-out examples; {config.steps} steps of {config.batch_size}; writing {run.out_dir}/",
                     flush=True,
@@ -123,8 +141,8 @@ class SFTJob:
         run.open_log(self.learner.is_main)
         if not run.resumed:
             run.log(
-                dict(step=0, num_params=num_params, num_train=len(data.train), num_eval=len(data.eval),
-                     num_dropped=data.num_dropped)
+                dict(step=0, num_params=num_params, num_trainable_params=num_trainable, num_train=len(data.train),
+                     num_eval=len(data.eval), num_dropped=data.num_dropped)
             )  # fmt: skip
         self.generate_fn = self._generate_fn()
         model.train()
@@ -170,7 +188,7 @@ class SFTJob:
         self.learner.save(ckpt_dir, self.tokenizer, state)
 
 
-def summary(result: dict[str, Any], eval_examples: list, out_dir: Path) -> str:
+def summary(result: dict[str, Any], eval_examples: list, out_dir: Path, written: str = "HF format") -> str:
     """The command's closing line: the held-out score (before -> after) and what was written."""
     if not eval_examples:
         score = "no held-out examples to score"
@@ -183,4 +201,4 @@ def summary(result: dict[str, Any], eval_examples: list, out_dir: Path) -> str:
         )
     else:
         score = f"stopped at step {result['end_step']} (--stop-after); rerun the same command to continue"
-    return f"{score}; wrote {result['checkpoint']} (HF format), {out_dir / 'metrics.jsonl'}, {out_dir / 'curves.png'}"
+    return f"{score}; wrote {result['checkpoint']} ({written}), {out_dir / 'metrics.jsonl'}, {out_dir / 'curves.png'}"
