@@ -75,10 +75,10 @@ class Job(Protocol):
         ...
 
 
-def describe(value: Any) -> str:
-    """An evaluation's figures as the progress line shows them."""
+def describe(value: Any, label: str = "exact match") -> str:
+    """An evaluation's figures as the progress line shows them (``label``: what a single figure is)."""
     if isinstance(value, float):
-        return f"held-out exact match {value:.3f}"
+        return f"held-out {label} {value:.3f}"
     if isinstance(value, dict):
         shown = {("held-out exact match" if k == "exact_match" else k): v for k, v in value.items()}
         return ", ".join(f"{k} {v:.3f}" for k, v in shown.items() if isinstance(v, float))
@@ -266,7 +266,7 @@ class Run:
                     raise stop.interrupted(signum, done, self.ckpt_dir, self.is_main, c.resume)
                 if c.eval_every and done % c.eval_every == 0 and done < c.steps:
                     if (ev := job.evaluate(done)) is not None:
-                        bar.write(f"step {done}: {describe(ev)}")
+                        bar.write(f"step {done}: {describe(ev, getattr(job, 'eval_label', 'exact match'))}")
                 if c.save_every and done % c.save_every == 0 and done < end:
                     self.save(job, done)
         bar.close()

@@ -89,11 +89,10 @@ def run_rl(ns: argparse.Namespace) -> None:
     config = _with_run_parts(from_args(RLConfig, ns), ns)
     result = train_rl(config)
     if result.get("eval_after") is not None and os.environ.get("RANK", "0") == "0":
-        before = result.get("eval_before")
-        print(
-            f"held-out exact match: {'' if before is None else f'{before:.1%} -> '}{result['eval_after']:.1%}; "
-            f"wrote {result['checkpoint']}"
-        )
+        before, what = result.get("eval_before"), result.get("eval_label", "exact match")
+        form = ".1%" if what == "exact match" else ".4g"  # a user's reward has no fixed scale
+        shown = ("" if before is None else f"{before:{form}} -> ") + f"{result['eval_after']:{form}}"
+        print(f"held-out {what}: {shown}; wrote {result['checkpoint']}")
 
 
 PREF_COMMANDS = {

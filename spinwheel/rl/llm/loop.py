@@ -33,7 +33,6 @@ from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted, load_reward
 from spinwheel.rl.llm.rollout import Rollout, generate_rollout, rollout_batch
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights, truncated_is_weights
-from spinwheel.tasks.arithmetic import evaluate
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.run import Run, StepFailed
@@ -67,13 +66,14 @@ def train_rl(config: RLConfig) -> dict[str, Any]:
             job = RLJob(config, run, dims if distributed else None)
             curves = [
                 ("reward_mean", "sampled reward"),
-                ("eval_exact_match", "held-out exact match (greedy)"),
+                (job.eval_key, f"held-out {job.eval_label} (greedy)"),
                 ("kl_ref" if job.reference is not None else "approx_kl", "KL"),
                 ("clip_frac", "clip fraction"),
                 ("response_len", "completion tokens"),
             ]
             postfix = lambda r: {"reward": f"{r['reward_mean']:.3f}"}  # noqa: E731
-            return run.train(job, curves, f"{config.algo} {config.model}", postfix)
+            result = run.train(job, curves, f"{config.algo} {config.model}", postfix)
+            return {**result, "eval_label": job.eval_label}
 
 
 class RLJob:
@@ -99,6 +99,9 @@ class RLJob:
         context = policy.config.max_position_embeddings
         self.train_prompts, self.eval_prompts = load_prompts(config, tokenizer, context, log=say)
         self.reward_fn, self.reward_name = self._reward()
+        builtin = config.reward == "task" and config.reward_model is None
+        self.eval_key = "eval_exact_match" if builtin else "eval_reward"  # the built-in reward is exact match
+        self.eval_label = "exact match" if builtin else "mean reward"
         longest = max(len(p.ids) for p in self.train_prompts + self.eval_prompts)
         engine_options = dataclasses.asdict(config.engine)
         engine_options.update(max_model_len=min(longest + config.max_new_tokens + 1, context), seed=config.seed)
@@ -228,19 +231,19 @@ class RLJob:
         return record
 
     def evaluate(self, step: int) -> float | None:
-        """Held-out greedy exact match on the main rank (the engine holds the current weights)."""
+        """The held-out mean reward of greedy completions under the run's own reward (for the built-in task's
+        reward: exact match), on the main rank (the engine holds the current weights)."""
         if not self.learner.is_main or not self.eval_prompts:
             return None
-        greedy = SamplingParams(temperature=0.0, max_tokens=self.config.max_new_tokens)
-        examples = self.eval_prompts[: self.config.eval_examples]
-        ids = {p.text: list(p.ids) for p in examples}
-        result = evaluate(
-            lambda texts: [o.outputs[0].text for o in self.llm.generate([ids[t] for t in texts], greedy)],
-            examples,
-            batch_size=len(examples),
-        )
-        self.run.log({"step": step, "eval_exact_match": result.exact_match})
-        return result.exact_match
+        c = self.config
+        greedy = SamplingParams(temperature=0.0, max_tokens=c.max_new_tokens)
+        examples = self.eval_prompts[: c.eval_examples]
+        completions = [o.outputs[0].text for o in self.llm.generate([list(p.ids) for p in examples], greedy)]
+        context = [p.text if c.reward_model else p.answer for p in examples]
+        rewards = score(self.reward_fn, completions, context, self.reward_name, timeout_s=c.reward_timeout_s)
+        value = float(rewards.mean())
+        self.run.log({"step": step, self.eval_key: value})
+        return value
 
     def save(self, ckpt_dir: Path, state: dict[str, Any]) -> None:
         self.algo.save(self.run.out_dir, state)  # first: a policy checkpoint never points at a missing part
