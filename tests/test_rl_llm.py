@@ -148,7 +148,7 @@ def test_grpo_loop_one_process(tmp_path, packed):
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # one on-policy update: old == current
         assert r["kl_ref"] > 0 or r["step"] == 1
         assert all(f"time/{p}" in r for p in ("generate", "score", "logprobs", "update", "sync"))
-    assert any("eval_exact_match" in r for r in read_metrics(tmp_path / "metrics.jsonl"))
+    assert any("eval_reward" in r for r in read_metrics(tmp_path / "metrics.jsonl"))  # the run's own (digit) reward
     assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "checkpoint" / "config.json").is_file()
     assert result["eval_after"] is not None
 
@@ -280,3 +280,22 @@ def test_reward_model_as_the_reward(tmp_path):
     Tokenizer.char_level().save_pretrained(lm_dir)
     with pytest.raises(ValueError, match="not a reward model"):
         train_rl(small_config(tmp_path / "run2", steps=1, reward_model=str(lm_dir)))
+
+
+def test_held_out_evaluation_scores_with_the_runs_own_reward(tmp_path, monkeypatch):
+    """A JSONL with text answers and a user's reward: evaluation scores greedy completions with that reward (it
+    used to stop at step 0 comparing the answers as the arithmetic task's integers)."""
+    rows = [{"prompt": f"sort:{w}=", "answer": "".join(sorted(w))} for w in ("cba", "bca", "acb", "bac", "cab", "abc")]
+    (tmp_path / "sort.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "sort_reward.py").write_text(
+        "def first_letter(completions, answers):\n"
+        "    return [0.5 + float(c[:1] == a[:1]) for c, a in zip(completions, answers)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = small_config(
+        tmp_path / "run", steps=1, data=str(tmp_path / "sort.jsonl"), reward="sort_reward:first_letter"
+    )
+    result = train_rl(config)
+    evals = [r["eval_reward"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval_reward" in r]
+    assert len(evals) == 2 and all(0.5 <= v <= 1.5 for v in evals)  # the user's scale, not exact match's 0/1
+    assert result["eval_after"] == evals[-1] and result["eval_label"] == "mean reward"
