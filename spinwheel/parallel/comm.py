@@ -2,10 +2,11 @@
 
 Every wrapper in :mod:`spinwheel.parallel` talks to other ranks only through a :class:`Comm`. It counts what each
 collective moves per rank the way the ZeRO paper (Rajbhandari et al., 2020, §7) counts it, in elements of the full
-tensor Ψ: an all-reduce moves 2Ψ (reduce-scatter then all-gather), a reduce-scatter Ψ, an all-gather Ψ. Point-to-
-point sends count their own size. So DDP moves 2Ψ per step, ZeRO-1/2 2Ψ, ZeRO-3 / FSDP 3Ψ. Counts are kept per grid
-axis too (``tp``, ``dp``, ``dp_shard``, ...); under ``torchrun`` the training loops write each step's share of them
-to ``metrics.jsonl`` (:meth:`CommStats.metrics`), so a user sees what a layout costs.
+tensor Ψ: an all-reduce moves 2Ψ (reduce-scatter then all-gather), a reduce-scatter Ψ, an all-gather Ψ. Point-to-point
+sends count their own size. So DDP moves 2Ψ per step, ZeRO-1/2 2Ψ, ZeRO-3 / FSDP 3Ψ. :func:`ring_all_reduce` is the
+reference ring algorithm over point-to-point sends: it sends 2Ψ(N − 1)/N per rank, whose N → ∞ limit 2Ψ is the count.
+Counts are kept per grid axis too (``tp``, ``dp``, ``dp_shard``, ...); under ``torchrun`` the training loops write each
+step's share of them to ``metrics.jsonl`` (:meth:`CommStats.metrics`), so a user sees what a layout costs.
 
 Work handles wait with a timeout, so a dead peer ends the job with an error instead of a hang. Axes of size 1 (and
 the whole single-process case) never touch ``torch.distributed``: the collectives reduce to local copies.
@@ -177,3 +178,38 @@ class Comm:
         if not async_op:
             handle.wait()
         return handle
+
+
+def ring_all_reduce(comm: Comm, tensor: torch.Tensor, axis) -> None:
+    """In-place sum of ``tensor`` over ``axis`` by the ring algorithm, over point-to-point sends only: the reference
+    for what the backend's all-reduce does (Patarasuk & Yuan, 2009; the accounting of the module docstring).
+
+    The flattened tensor is cut into N chunks (sizes differing by at most one element). Each of the N − 1 steps of
+    the **reduce-scatter** phase sends one chunk to the next rank on the ring and adds the chunk received from the
+    previous one; afterwards rank r holds the full sum of chunk r + 1. Each of the N − 1 steps of the **all-gather**
+    phase passes a finished chunk on. Each rank thus sends every chunk but one per phase: 2Ψ(N − 1)/N elements for a
+    tensor of Ψ, which tends to the 2Ψ that :meth:`Comm.all_reduce` counts; the sends are counted as ``send``.
+    """
+    n, r = axis.size, axis.rank
+    if n == 1:
+        return
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce needs a contiguous tensor (it reduces views of it in place)")
+    chunks = torch.tensor_split(tensor.view(-1), n)
+    right, left = (r + 1) % n, (r - 1) % n
+    for step in range(n - 1):  # reduce-scatter: send chunk r − step, add the received chunk r − step − 1
+        send, recv = chunks[(r - step) % n], chunks[(r - step - 1) % n]
+        incoming = torch.empty_like(recv)
+        _ring_step(comm, axis, send, incoming, right, left)
+        recv.add_(incoming)
+    for step in range(n - 1):  # all-gather: pass on finished chunk r + 1 − step, receive chunk r − step
+        _ring_step(comm, axis, chunks[(r + 1 - step) % n], chunks[(r - step) % n], right, left)
+
+
+def _ring_step(comm: Comm, axis, send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
+    """Send ``send`` to ``right`` while receiving ``recv`` from ``left``; empty chunks (Ψ < N) are not sent."""
+    handle = comm.isend(send, axis, right) if send.numel() else None
+    if recv.numel():
+        comm.recv(recv, axis, left)
+    if handle is not None:
+        handle.wait()  # the chunk sent may be written by a later step
