@@ -14,12 +14,19 @@ gathered from the cache through its block table:
 * prefill chunks run one sequence at a time with a causal mask offset by the tokens already in the cache (chunked
   prefill, prefix-cache hits, recompute); a chunk with no earlier context attends to its own K/V directly.
 
+On CUDA, when Triton imports, :mod:`spinwheel.engine.triton_attention` runs both instead: its kernels read the
+blocks in place through the block tables (no gather). The gather path stays the fallback and the reference
+(``tests/test_triton_attention.py`` compares the two, on CPU under Triton's interpreter).
+
 The dense oracle is :class:`spinwheel.models.transformer.SDPAAttention`; tests compare the two to 1e-5.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,7 @@ from torch import nn
 
 from spinwheel.engine.cpu_kernels import paged_decode_attention
 
+logger = logging.getLogger(__name__)
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa (torch 2.5+)
 
 
@@ -56,6 +64,7 @@ class PagedAttentionMetadata:
     decodes: list[DecodeBucket]
     prefills: list[PrefillSpan]
     tables_checked: bool = False  # the runner has range-checked the fused buckets' tables for this step
+    triton_prefill: object = None  # the Triton path's packed prefill spans, built by the step's first layer
 
 
 def write_kv(
@@ -87,6 +96,34 @@ def paged_attention(
     in the cache at ``meta.slot_mapping`` already (the fused RoPE kernel writes them)."""
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    # --- Triton dispatch (CUDA only): kernels that read the paged cache in place; the gather path is the fallback
+    if q.is_cuda and (kernels := triton_kernels()) is not None:
+        return kernels.paged_attention(q, k_cache, v_cache, meta)
+    return gather_attention(q, k, v, k_cache, v_cache, meta)
+
+
+@functools.cache
+def triton_kernels() -> ModuleType | None:
+    """:mod:`spinwheel.engine.triton_attention` where triton imports, else ``None`` (the gather path runs).
+    Imported on first CUDA use only: under ``TRITON_INTERPRET=1`` the kernels must be decorated after it is set."""
+    try:
+        from spinwheel.engine import triton_attention
+    except ImportError as e:
+        logger.info("triton is not importable (%s): CUDA paged attention gathers blocks with PyTorch", e)
+        return None
+    return triton_attention
+
+
+def gather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+) -> torch.Tensor:
+    """The PyTorch path of :func:`paged_attention` (this step's K/V already in the caches): decode buckets by the
+    fused CPU kernel or gathered blocks and SDPA, prefill chunks by SDPA over gathered blocks."""
     n, h, d = q.shape
     g, bs = k_cache.shape[2], k_cache.shape[1]
     rep = h // g
