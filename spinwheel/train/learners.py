@@ -18,7 +18,7 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +264,46 @@ class ParallelLearner:
         shards.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), shards / f"rng{self.rank:05d}.pt")
         self.trainer.save(str(shards))  # ends in a barrier: every shard is written before rank 0 renames
+
+
+def minibatch_updates(
+    learner: Learner,
+    rows: Batch,
+    loss_fn: LossFn,
+    *,
+    epochs: int,
+    minibatches: int,
+    seed: int,
+    weights: Callable[[torch.Tensor], torch.Tensor],
+    lr: Callable[[int], float],
+    after: Callable[[Batch, torch.Tensor, float], dict[str, float]] | None = None,
+) -> dict[str, float]:
+    """``epochs`` passes of ``minibatches`` optimizer steps over a batch of rows (PPO's update loop, as verl's actor
+    runs it): each epoch shuffles the rows (generator seeded ``seed + epoch``; one minibatch: the batch in its order,
+    no copies), ``weights(mask)`` gives a minibatch's token weights from ``rows["mask"]``, ``lr(n)`` the learning rate
+    of the n-th step and ``after(mb, mask, lr)`` runs after each step (PPO's critic). Returns the mean figures."""
+    b = rows["input_ids"].shape[0]
+    size = b // minibatches
+    sums: dict[str, float] = {}
+    n = 0
+    for epoch in range(epochs):
+        order = torch.randperm(b, generator=torch.Generator().manual_seed(seed + epoch)) if minibatches > 1 else None
+        for k in range(minibatches):
+            if order is None:
+                mb, mask = {key: v for key, v in rows.items() if key != "mask"}, rows["mask"]
+            else:
+                picked = order[k * size : (k + 1) * size].to(rows["input_ids"].device)
+                mb = {key: v[picked] for key, v in rows.items() if key != "mask"}
+                mask = rows["mask"][picked]
+            mb["weights"] = weights(mask)
+            rate = lr(n)
+            out = learner.train_step(mb, loss_fn, rate, entropy=True)
+            extra = after(mb, mask, rate) if after is not None else {}
+            figures = {**out.stats, **extra, "loss": out.loss, "grad_norm": out.grad_norm or 0.0, "lr": rate}
+            for key, v in figures.items():
+                sums[key] = sums.get(key, 0.0) + v
+            n += 1
+    return {key: v / n for key, v in sums.items()}
 
 
 def params_finite(params: Iterator[torch.Tensor]) -> bool:

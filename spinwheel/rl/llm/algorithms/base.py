@@ -27,7 +27,7 @@ import torch
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.token_losses import token_weights
-from spinwheel.train.learners import Learner, OptimConfig
+from spinwheel.train.learners import Learner, OptimConfig, minibatch_updates
 from spinwheel.train.optim import lr_at
 
 RLConfig = Any  # spinwheel.rl.llm.config.RLConfig, which imports the registry to validate its options
@@ -94,32 +94,21 @@ class Algorithm:
         return {}
 
     def update(self, learner: Learner, per_row: dict[str, torch.Tensor], step: int) -> dict[str, float]:
-        """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch; the mean figures."""
+        """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch (the learner's
+        :func:`~spinwheel.train.learners.minibatch_updates`) on the run's learning-rate schedule; the mean figures."""
         c = self.config
-        b = per_row["input_ids"].shape[0]
-        size = b // c.minibatches
-        sums: dict[str, float] = {}
-        n = 0
-        for epoch in range(c.epochs):
-            gen = torch.Generator().manual_seed((c.seed * 1_000_003 + step) * 97 + epoch)
-            order = torch.randperm(b, generator=gen) if c.minibatches > 1 else None
-            for k in range(c.minibatches):
-                if order is None:  # the whole batch in its order: no copies
-                    mb, mask = {key: v for key, v in per_row.items() if key != "mask"}, per_row["mask"]
-                else:
-                    rows = order[k * size : (k + 1) * size].to(per_row["input_ids"].device)
-                    mb = {key: v[rows] for key, v in per_row.items() if key != "mask"}
-                    mask = per_row["mask"][rows]
-                mb["weights"] = token_weights(mask, self.loss_agg or c.loss_agg, max_len=c.max_new_tokens)
-                total = c.steps * c.updates_per_step
-                lr = lr_at(step * c.updates_per_step + n, c.lr, c.warmup_steps, total, c.min_lr_ratio)
-                out = learner.train_step(mb, self._loss, lr, entropy=True)
-                extra = self.minibatch_done(mb, mask, lr / c.lr)
-                figures = {**out.stats, **extra, "loss": out.loss, "grad_norm": out.grad_norm or 0.0, "lr": lr}
-                for key, v in figures.items():
-                    sums[key] = sums.get(key, 0.0) + v
-                n += 1
-        return {key: v / n for key, v in sums.items()}
+        total = c.steps * c.updates_per_step
+        return minibatch_updates(
+            learner,
+            per_row,
+            self._loss,
+            epochs=c.epochs,
+            minibatches=c.minibatches,
+            seed=(c.seed * 1_000_003 + step) * 97,
+            weights=lambda mask: token_weights(mask, self.loss_agg or c.loss_agg, max_len=c.max_new_tokens),
+            lr=lambda n: lr_at(step * c.updates_per_step + n, c.lr, c.warmup_steps, total, c.min_lr_ratio),
+            after=lambda mb, mask, lr: self.minibatch_done(mb, mask, lr / c.lr),
+        )
 
     def save(self, out_dir: Path, state: dict[str, Any]) -> None:
         """Write what the algorithm keeps beside the policy (before the policy's checkpoint: a checkpoint never
