@@ -145,7 +145,9 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)  # (..., out)
         if not self.enabled:
             return y
-        h = self.lora_dropout(x.to(self.lora_A.weight.dtype))
+        h = x.to(self.lora_A.weight.dtype)
+        if not torch.is_inference_mode_enabled():  # the engine samples (in inference mode) without dropout
+            h = self.lora_dropout(h)
         return y + (self.lora_B(self.lora_A(h)) * self.scaling).to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -6,10 +6,12 @@ from the umask like any directory the user creates, so colleagues on a shared fi
 
 A model carrying LoRA adapters is written as a PEFT adapter directory instead (``adapter_config.json`` +
 ``adapter_model.safetensors``, naming its base) beside the tokenizer and ``trainer_state.pt``: the frozen base is
-not copied into every checkpoint."""
+not copied into every checkpoint. A scalar-head (reward) model with adapters is written merged, as HF's sequence
+classifier that every reward-model consumer loads; its trainer state carries the adapters for an exact resume."""
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import shutil
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from spinwheel.models.hf import apply_umask, save_pretrained
-from spinwheel.models.lora import lora_layers
+from spinwheel.models.lora import lora_layers, merge
 from spinwheel.models.lora_io import save_adapter
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -58,7 +60,9 @@ def save_checkpoint(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        if lora_layers(model):
+        if lora_layers(model) and model.config.num_labels is not None:  # a reward model: HF's files, merged
+            save_pretrained(merge(copy.deepcopy(model)), tmp, tokenizer=tokenizer)
+        elif lora_layers(model):
             save_adapter(model, tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from spinwheel.config import check_ranges, option
 from spinwheel.models.hf import resolve_dtype
+from spinwheel.models.lora import LoRAConfig
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 
@@ -59,6 +60,16 @@ class RunConfig:
         group="run",
     )
     progress: bool = option(True, help="show a progress bar", group="run")
+    lora_rank: int = option(
+        0, help="train LoRA adapters of this rank on a frozen base (0: train every parameter)", group="model and data"
+    )
+    lora_alpha: float = option(
+        16.0, help="LoRA scaling alpha (the update is scaled by alpha / rank)", group="model and data"
+    )
+    lora_dropout: float = option(0.0, help="dropout on the LoRA adapters' input", group="model and data")
+    lora_targets: str = option(
+        "q,k,v,o,gate,up,down", help="projections LoRA adapts (comma-separated, or all-linear)", group="model and data"
+    )
     task: ArithmeticConfig = field(default_factory=ArithmeticConfig, metadata={"cli": False})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"cli": False})
 
@@ -66,9 +77,30 @@ class RunConfig:
         check_ranges(
             self,
             at_least_1=("steps", "eval_examples", "stop_after"),
-            non_negative=("warmup_steps", "eval_every", "save_every", "num_threads", "weight_decay", "grad_clip"),
+            non_negative=(
+                "warmup_steps",
+                "eval_every",
+                "save_every",
+                "num_threads",
+                "weight_decay",
+                "grad_clip",
+                "lora_rank",
+            ),
             positive=("lr",),
             unit_interval=("min_lr_ratio",),
             open_unit_interval=("eval_fraction",),
         )
         resolve_dtype(self.dtype)
+        self.lora_config()  # a bad --lora-* value fails here, in one line
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapters ``--lora-rank`` asks for, on the base ``--model`` names; None: train every parameter."""
+        if not self.lora_rank:
+            return None
+        return LoRAConfig(
+            rank=self.lora_rank,
+            alpha=self.lora_alpha,
+            dropout=self.lora_dropout,
+            targets=self.lora_targets,
+            base_model_name_or_path=self.model,
+        )

@@ -23,9 +23,6 @@ from typing import Any
 
 import torch
 
-from spinwheel.models.hf import load_model
-from spinwheel.models.lora import apply_lora
-from spinwheel.models.lora_io import load_adapter
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import metrics_since
@@ -38,6 +35,7 @@ from spinwheel.train.learners import (
     ParallelLearner,
     distributed_world,
 )
+from spinwheel.train.lora_run import check_one_process, load_run_model
 from spinwheel.train.optim import lr_at
 from spinwheel.train.resume import OBSERVATION_OPTIONS
 from spinwheel.train.run import Run
@@ -59,8 +57,7 @@ def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool =
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     with distributed_world(config.device, config.parallel) as distributed:
-        if distributed and config.lora_rank:
-            raise ValueError("--lora-rank runs in one process for now: start spinwheel sft without torchrun")
+        check_one_process(config, distributed, "sft")
         dims = config.parallel.make_dims()
         config.parallel.check_batch(config.batch_size, dims.dp)
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip)
@@ -97,17 +94,12 @@ def run_sft(
 
 
 def load_sft_model(config: SFTConfig, run: Run, vocab_size: int) -> Transformer:
-    """The model SFT starts from: ``--model``, or the checkpoint it resumes from. With ``--lora-rank`` the base is
-    always ``--model`` (a LoRA checkpoint holds only the adapters), under fresh adapters or the checkpoint's."""
+    """The model SFT starts from: ``--model``, or the checkpoint it resumes from; with ``--lora-rank`` the base
+    ``--model`` names under fresh adapters or the checkpoint's (:func:`~spinwheel.train.lora_run.load_run_model`)."""
     torch.manual_seed(config.seed)
-    lora = config.lora_config()
-    source = run.ckpt_dir if run.resumed and lora is None else config.model
-    model = load_model(source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=vocab_size)
-    if lora is not None and run.resumed:
-        load_adapter(model, run.ckpt_dir)
-    elif lora is not None:
-        apply_lora(model, lora, seed=config.seed)
-    return model
+    return load_run_model(
+        config, run, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=vocab_size
+    )
 
 
 class SFTJob:

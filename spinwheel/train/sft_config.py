@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spinwheel.config import check_ranges, option, redefault
-from spinwheel.models.lora import LoRAConfig
 from spinwheel.train.run_config import RunConfig
 
 
@@ -36,30 +35,6 @@ class SFTConfig(RunConfig):
         group="run",
     )
 
-    lora_rank: int = option(
-        0, help="train LoRA adapters of this rank on a frozen base (0: train every parameter)", group="model and data"
-    )
-    lora_alpha: float = option(
-        16.0, help="LoRA scaling alpha (the update is scaled by alpha / rank)", group="model and data"
-    )
-    lora_dropout: float = option(0.0, help="dropout on the LoRA adapters' input", group="model and data")
-    lora_targets: str = option(
-        "q,k,v,o,gate,up,down", help="projections LoRA adapts (comma-separated, or all-linear)", group="model and data"
-    )
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_ranges(self, at_least_1=("batch_size", "max_new_tokens", "max_seq_len"), non_negative=("lora_rank",))
-        self.lora_config()  # a bad --lora-* value fails here, in one line
-
-    def lora_config(self) -> LoRAConfig | None:
-        """The adapters ``--lora-rank`` asks for, on the base ``--model`` names; None: full fine-tuning."""
-        if not self.lora_rank:
-            return None
-        return LoRAConfig(
-            rank=self.lora_rank,
-            alpha=self.lora_alpha,
-            dropout=self.lora_dropout,
-            targets=self.lora_targets,
-            base_model_name_or_path=self.model,
-        )
+        check_ranges(self, at_least_1=("batch_size", "max_new_tokens", "max_seq_len"))

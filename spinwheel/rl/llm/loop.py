@@ -35,6 +35,7 @@ from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights, truncated_is_weights
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
+from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, sync_figures
 from spinwheel.train.run import Run, StepFailed
 from spinwheel.train.sft_data import batch_indices
 
@@ -84,15 +85,17 @@ class RLJob:
         self.tokenizer = tokenizer = load_tokenizer(run.ckpt_dir if run.resumed else config.model)
         self.pad_id = tokenizer.pad_id or 0
         load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
-        policy = load_model(run.ckpt_dir if run.resumed else config.model, **load)
+        check_one_process(config, dims is not None, config.algo)
+        policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip, fused=True)
         self.learner = self.make_learner(policy, optim)
         resume_step = run.start_step if run.resumed else None
         parts = Parts(lambda: load_model(config.model, **load), self.make_learner, run.out_dir, resume_step)
         self.algo = ALGORITHMS[config.algo](config, parts)
-        self.reference = (
-            self.make_learner(load_model(config.model, **load), None) if self.algo.needs_reference else None
-        )
+        self.reference = None
+        if self.algo.needs_reference:  # with LoRA: the policy with its adapters off, no second copy (lora_run)
+            ref = AdaptersOff(self.learner, policy) if config.lora_rank else None
+            self.reference = ref or self.make_learner(load_model(config.model, **load), None)
         if run.state is not None:
             self.learner.load(run.ckpt_dir, run.state)
         say = print if run.is_main else (lambda line: None)
@@ -115,7 +118,10 @@ class RLJob:
         run.open_log(self.learner.is_main)
         if not run.resumed:
             counts = {"num_train": len(self.train_prompts), "num_eval": len(self.eval_prompts)}
-            run.log({"step": 0, "algo": config.algo, **counts})
+            trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+            run.log(
+                {"step": 0, "algo": config.algo, **counts, "num_trainable_params": trainable, **sync_figures(policy)}
+            )
 
     def make_learner(self, model, optim: OptimConfig | None) -> Learner:
         """A learner on the run's layout (the parallel trainer under torchrun); ``optim=None``: frozen."""

@@ -1,0 +1,109 @@
+"""LoRA in the training runs (``--lora-rank`` on ``sft``, ``dpo``, ``rm`` and the RL commands): what a run starts
+from, its reference policy and what a weight sync moves.
+
+* **The model.** The base is always ``--model``; a new run puts fresh adapters on it (:func:`~spinwheel.models.lora.
+  apply_lora`, seeded by ``--seed``), a resumed run the checkpoint's (a PEFT adapter directory; a reward model's
+  adapters and score head travel in its trainer state, see :func:`lora_head_state`). The base is frozen, so the
+  learner's AdamW holds state for the adapters alone.
+* **The reference.** DPO and RL with β > 0 compare the policy with the model it started from. Under LoRA that is
+  the base with the adapters switched off (:func:`~spinwheel.models.lora.adapters_disabled`): :class:`AdaptersOff`
+  runs the policy learner's own forward that way, so no second copy of the model is loaded.
+* **Weight sync.** In one process the engine serves the learner's model object, adapters included (unmerged:
+  the engine's forward is the model's, each wrapped projection adds its ``B A x``), so an update reaches the
+  engine without a copy. :func:`sync_figures` says what a sync to an engine holding its own copy would move:
+  the adapters (``lora_sync_mb``) against every weight (``full_sync_mb``).
+* **Layouts.** LoRA runs in one process for now; under ``torchrun`` the commands refuse it in one line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from spinwheel.models.hf import load_model
+from spinwheel.models.lora import adapters_disabled, apply_lora, lora_layers, lora_parameters
+from spinwheel.models.lora_io import load_adapter
+from spinwheel.models.transformer import Transformer
+from spinwheel.train.learners import Learner
+
+if TYPE_CHECKING:
+    from spinwheel.train.run import Run
+    from spinwheel.train.run_config import RunConfig
+
+LORA_HEAD_STATE = "lora_head_state"  # trainer-state key of a scalar-head model's adapters and head
+
+
+def check_one_process(config: RunConfig, distributed: bool, command: str) -> None:
+    """Refuse ``--lora-rank`` under torchrun (one line)."""
+    if distributed and config.lora_rank:
+        raise ValueError(f"--lora-rank runs in one process for now: start spinwheel {command} without torchrun")
+
+
+def load_run_model(config: RunConfig, run: Run, **load: Any) -> Transformer:
+    """The LM a run trains: ``--model``, or the checkpoint it resumes from. With ``--lora-rank`` the base is always
+    ``--model`` (a LoRA checkpoint holds only the adapters), under fresh adapters or the checkpoint's. ``load`` goes
+    to :func:`~spinwheel.models.hf.load_model`."""
+    lora = config.lora_config()
+    model = load_model(run.ckpt_dir if run.resumed and lora is None else config.model, **load)
+    if lora is not None and run.resumed:
+        load_adapter(model, run.ckpt_dir)
+    elif lora is not None:
+        apply_lora(model, lora, seed=config.seed)
+    return model
+
+
+def adapt_scalar_head(model: Transformer, config: RunConfig, state: dict[str, Any] | None) -> Transformer:
+    """A scalar-head model (reward model) under ``--lora-rank``: adapters on the body, the score head trained
+    whole (PEFT's ``modules_to_save`` for sequence classifiers); resumed from ``state``'s :data:`LORA_HEAD_STATE`."""
+    lora = config.lora_config()
+    if lora is None:
+        return model
+    apply_lora(model, lora, seed=config.seed)
+    model.lm_head.weight.requires_grad_(True)
+    if state is not None:
+        saved = state[LORA_HEAD_STATE]
+        with torch.no_grad():
+            for name, p in lora_head_parameters(model).items():
+                p.copy_(saved[name])
+    return model
+
+
+def lora_head_parameters(model: Transformer) -> dict[str, torch.nn.Parameter]:
+    """What a scalar-head LoRA model trains: the adapters and the score head."""
+    return {**lora_parameters(model), "lm_head.weight": model.lm_head.weight}
+
+
+def lora_head_state(model: Transformer) -> dict[str, dict[str, torch.Tensor]]:
+    """The trainer-state entry that resumes a scalar-head LoRA model exactly (its checkpoint's HF files hold the
+    merged weights, which cannot be split again); empty for any other model."""
+    if not lora_layers(model) or model.config.num_labels is None:
+        return {}
+    return {LORA_HEAD_STATE: {n: p.detach().cpu().clone() for n, p in lora_head_parameters(model).items()}}
+
+
+class AdaptersOff:
+    """The reference policy of a LoRA run: the forward of ``learner`` (training ``model``) with every adapter of
+    ``model`` switched off, i.e. the frozen base: the ``forward(batch)`` of a frozen learner on a separate copy of
+    the base, with its outputs."""
+
+    def __init__(self, learner: Learner, model: nn.Module) -> None:
+        self.learner, self.model = learner, model
+        self.is_main, self.distributed = learner.is_main, learner.distributed
+
+    def forward(self, batch: dict[str, torch.Tensor], *, entropy: bool = False) -> dict[str, torch.Tensor]:
+        with adapters_disabled(self.model):
+            return self.learner.forward(batch, entropy=entropy)
+
+
+def sync_figures(model: Transformer) -> dict[str, float]:
+    """MiB a weight sync moves per update: ``full_sync_mb`` every weight of the model (adapters merged in), and
+    with adapters ``lora_sync_mb`` the adapters alone (what an adapter-only sync sends)."""
+    adapters = {id(p) for p in lora_parameters(model).values()}
+    params = {id(p): p for p in model.parameters()}
+    full = sum(p.numel() * p.element_size() for i, p in params.items() if i not in adapters)
+    figures = {"full_sync_mb": full / 2**20}
+    if adapters:
+        figures["lora_sync_mb"] = sum(params[i].numel() * params[i].element_size() for i in adapters) / 2**20
+    return figures
