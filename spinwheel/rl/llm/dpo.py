@@ -52,6 +52,7 @@ from spinwheel.rl.llm.preference_losses import dpo_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
 from spinwheel.tasks.arithmetic import evaluate as task_evaluate
 from spinwheel.train.learners import Learner, is_main_process
+from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model
 from spinwheel.train.run import Run
 
 
@@ -192,11 +193,11 @@ def train_dpo(config: DPOConfig) -> dict[str, Any]:
 
 
 def _train(config: DPOConfig, run: Run, dims: ParallelDims | None) -> dict[str, Any]:
-    source = run.ckpt_dir if run.resumed else config.model
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(run.ckpt_dir if run.resumed else config.model)
     pad_id = tokenizer.pad_id or 0
     load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
-    policy = load_model(source, **load)
+    check_one_process(config, dims is not None, "dpo")
+    policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
     if policy.config.num_labels is not None:
         raise ValueError(f"--model {config.model} is a reward model (num_labels 1), not a policy")
     task = ArithmeticTask(config.task) if config.data is None else None
@@ -217,7 +218,9 @@ def _train(config: DPOConfig, run: Run, dims: ParallelDims | None) -> dict[str, 
         eval_pairs = [PreferencePair(**p) for p in run.state["pairs"]["eval"]]
     else:
         context = policy.config.max_position_embeddings
-        train_pairs, eval_pairs, dropped = _reference_pairs(config, tokenizer, llm, dims, run, loss, load, context)
+        train_pairs, eval_pairs, dropped = _reference_pairs(
+            config, tokenizer, llm, dims, run, loss, load, context, learner
+        )
         counts = dict(num_train=len(train_pairs), num_eval=len(eval_pairs), num_dropped=dropped)
         run.log({"step": 0, "num_params": sum(p.numel() for p in set(policy.parameters())), **counts})
 
@@ -261,14 +264,17 @@ def _train(config: DPOConfig, run: Run, dims: ParallelDims | None) -> dict[str, 
 
 
 def _reference_pairs(
-    config, tokenizer, llm, dims, run: Run, loss: DPOLoss, load: dict, max_context: int
+    config, tokenizer, llm, dims, run: Run, loss: DPOLoss, load: dict, max_context: int, policy: Learner
 ) -> tuple[list, list, int]:
     """A new run's (train, held-out) pairs, carrying the frozen reference's sequence log-probs, and the number of
-    data lines dropped as too long."""
+    data lines dropped as too long. Under LoRA the reference (``--model``) is the ``policy`` with its adapters off."""
     pairs, dropped = _make_pairs(config, tokenizer, llm, dims, run.log, max_context)
     train_pairs, eval_pairs = split_pairs(pairs, config.eval_fraction, config.seed)
     eval_pairs = eval_pairs[: config.eval_examples]
-    ref = make_learner(load_model(config.ref_model or config.model, **load), config, dims, frozen=True)
+    if config.lora_rank and config.ref_model in (None, config.model):
+        ref: Any = AdaptersOff(policy, policy.engine_model)  # one process: the engine model is the trained one
+    else:
+        ref = make_learner(load_model(config.ref_model or config.model, **load), config, dims, frozen=True)
     pad_id = tokenizer.pad_id or 0
     train_pairs = with_reference(ref, train_pairs, loss, pad_id, config.batch_size, config.device)
     eval_pairs = with_reference(ref, eval_pairs, loss, pad_id, config.batch_size, config.device)

@@ -39,6 +39,7 @@ from spinwheel.rl.llm.preference_data import (
 from spinwheel.rl.llm.preference_losses import bradley_terry_loss
 from spinwheel.tasks.arithmetic import ArithmeticTask
 from spinwheel.train.learners import Learner, is_main_process
+from spinwheel.train.lora_run import adapt_scalar_head, check_one_process, lora_head_state
 from spinwheel.train.run import Run
 
 
@@ -180,14 +181,16 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
 
 
 def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, Any]:
-    source = run.ckpt_dir if run.resumed else config.model
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(run.ckpt_dir if run.resumed else config.model)
     pad_id = tokenizer.pad_id or 0
+    check_one_process(config, dims is not None, "rm")
+    source = run.ckpt_dir if run.resumed and not config.lora_rank else config.model  # LoRA: resumed on the base
     model = load_model(
         source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size
     )
     if model.config.num_labels is None:
         model = scalar_head_model(model, seed=config.seed)
+    model = adapt_scalar_head(model, config, run.state)  # --lora-rank: adapters on the body, the head trained
     model.config.pad_token_id = pad_id  # HF's sequence classifiers pool the last token that is not the pad
     train_pairs, eval_pairs, dropped = _pairs(config, tokenizer, model.config.max_position_embeddings)
     mistakes = _policy_mistakes(config, tokenizer, dims) if config.policy is not None else []
@@ -210,7 +213,7 @@ def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, A
         return ev
 
     def save(ckpt_dir, state: dict[str, Any]) -> None:
-        learner.save(ckpt_dir, tokenizer, state)
+        learner.save(ckpt_dir, tokenizer, {**state, **lora_head_state(model)})
 
     model.train()
     build = lambda part: rm_batch(part, pad_id, config.device)  # noqa: E731
