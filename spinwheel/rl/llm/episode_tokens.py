@@ -1,0 +1,156 @@
+"""An episode as the trainer takes it: the :class:`Episode` record, observations into tokens, the drift that
+token-in/token-out avoids, and the trainer's batch (:mod:`~spinwheel.rl.llm.episodes` plays the episodes).
+
+Observations become tokens once, when they arrive, and are never re-derived from text afterwards:
+
+- **raw text**: the first observation is encoded with the tokenizer's special tokens (BOS, exactly as a single-turn
+  prompt is), later ones with ``add_special_tokens=False``; the tokens are appended as they are.
+- **chat messages**: the first observation is rendered with the chat template (``add_generation_prompt=True``) and
+  encoded without special tokens (templates write BOS themselves). After a turn only the *new suffix* is tokenized:
+  with ``history`` the messages so far and ``a`` the turn's text as an assistant message,
+
+  ======== =====================================================
+  opened   ``render(history, add_generation_prompt=True)`` — what the model continued
+  closed   ``render(history + [a])`` — ``opened + a.content + closing`` (the template's end-of-turn scaffolding)
+  full     ``render(history + [a] + new, add_generation_prompt=True)``
+  suffix   ``closing + full[len(closed):]``
+  ======== =====================================================
+
+  where ``closing`` loses a leading EOS text when the turn already sampled EOS. A template that is not append-only
+  (one that rewrites earlier turns, or trims the assistant's text) fails the episode with that message.
+
+Drift (:func:`has_drift`): whether ``encode(decode(token_ids))`` — what a text-based pipeline would train on — differs
+from the episode's tokens. It is measured, never used.
+
+Batch layout (:func:`episode_batch`), one row per episode, right-padded, as ``rollout_batch`` lays out single-turn
+rows: ``input_ids = tokens[:-1]``, ``labels = tokens[1:]``; ``mask`` is 1 where the label is a sampled token;
+``turn_rewards`` holds each turn's reward at the label position of the turn's last sampled token (PPO's per-turn
+rewards), 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from spinwheel.envs.base import Message, Observation
+from spinwheel.models.tokenizer import Tokenizer
+
+
+@dataclass
+class Episode:
+    """One episode, as the trainer takes it. Lists of tokens are aligned: ``mask[i]`` is 1 when ``token_ids[i]``
+    was sampled, ``engine_logprobs[i]`` its log-prob under the tempered distribution it was drawn from (0 off the
+    mask). ``turn_ends[k]`` is the index in ``token_ids`` of turn k's last sampled token, ``turn_rewards[k]`` the
+    reward ``step`` gave that turn."""
+
+    env_index: int
+    sample_index: int
+    env_seed: int
+    token_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    engine_logprobs: list[float] = field(default_factory=list)
+    prompt_len: int = 0  # tokens of the first observation
+    turn_ends: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    turn_texts: list[str] = field(default_factory=list)  # each turn's text as the environment received it
+    reward: float = 0.0  # the sum of the turn rewards (also when truncated)
+    num_turns: int = 0
+    done: bool = False  # the environment ended it
+    truncated: bool = False  # the turn or token limit ended it first
+    end_reason: str = ""  # "done", "max_turns", "max_tokens", "failed"
+    failed: bool = False
+    error: str | None = None
+    info: dict[str, float] = field(default_factory=dict)  # the steps' figures (a later step's value wins)
+    drift: bool = False  # re-tokenising the decoded text would give other tokens
+
+
+def first_tokens(tokenizer: Tokenizer, obs: Observation) -> tuple[list[int], list[Message] | None]:
+    """The first observation's tokens (the prompt) and, for chat observations, the message history."""
+    if isinstance(obs, str):
+        return tokenizer.encode(obs), None
+    messages = list(obs)
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False), messages
+
+
+def observation_tokens(
+    tokenizer: Tokenizer, obs: Observation, history: list[Message] | None, turn_text: str, ended_on_eos: bool
+) -> tuple[list[int], list[Message] | None]:
+    """Tokens of an observation answering a turn (appended after the turn's sampled tokens), and the message history
+    after it (see the module docstring)."""
+    if isinstance(obs, str):
+        return tokenizer.encode(obs, add_special_tokens=False), history
+    if history is None:
+        raise ValueError("chat observation after a raw-text first observation: an episode keeps one kind")
+    return tokenizer.encode(chat_suffix(tokenizer, history, turn_text, ended_on_eos, obs), add_special_tokens=False), [
+        *history,
+        {"role": "assistant", "content": turn_text},
+        *obs,
+    ]
+
+
+def chat_suffix(
+    tokenizer: Tokenizer, history: list[Message], turn_text: str, ended_on_eos: bool, new: list[Message]
+) -> str:
+    """The text that follows the model's turn when messages ``new`` answer it (module docstring)."""
+    turn = {"role": "assistant", "content": turn_text}
+    opened = tokenizer.apply_chat_template(history)
+    closed = tokenizer.apply_chat_template([*history, turn], add_generation_prompt=False)
+    full = tokenizer.apply_chat_template([*history, turn, *new])
+    if not closed.startswith(opened + turn_text) or not full.startswith(closed):
+        raise ValueError("the chat template is not append-only (it rewrites earlier turns or trims the model's text)")
+    closing = closed[len(opened) + len(turn_text) :]
+    eos = tokenizer.eos_token or ""
+    if ended_on_eos and eos and closing.startswith(eos):
+        closing = closing[len(eos) :]  # the model sampled it: its token is already in the episode
+    return closing + full[len(closed) :]
+
+
+def has_drift(tokenizer: Tokenizer, token_ids: Sequence[int]) -> bool:
+    """Whether re-tokenising the episode's decoded text gives other tokens than those sampled and fed."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False) != list(token_ids)
+
+
+def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors of the episodes (module docstring): ``input_ids``, ``labels``, ``mask``,
+    ``engine_logprobs`` (0 off the mask) and ``turn_rewards``, all (B, T); ``prompt_lens`` and ``completion_lens``
+    (B,): the first observation's length and the rest."""
+    width = max(len(e.token_ids) for e in episodes)  # T + 1
+    tokens, mask, engine, rewards = [], [], [], []
+    for e in episodes:
+        n, pad = len(e.token_ids), width - len(e.token_ids)
+        tokens.append(list(e.token_ids) + [pad_id] * pad)
+        mask.append([float(m) for m in e.mask[1:]] + [0.0] * pad)  # label i is token i + 1
+        engine.append(list(e.engine_logprobs[1:]) + [0.0] * pad)
+        row = [0.0] * (width - 1)
+        for end, r in zip(e.turn_ends, e.turn_rewards):
+            row[end - 1] += r
+        rewards.append(row)
+        assert n == len(e.mask) == len(e.engine_logprobs)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    return {
+        "input_ids": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "mask": torch.tensor(mask, dtype=torch.float32),
+        "engine_logprobs": torch.tensor(engine, dtype=torch.float32),
+        "turn_rewards": torch.tensor(rewards, dtype=torch.float32),
+        "prompt_lens": torch.tensor([e.prompt_len for e in episodes]),
+        "completion_lens": torch.tensor([len(e.token_ids) - e.prompt_len for e in episodes]),
+    }
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Figures to log per step: counts of failed, truncated and drifting episodes, mean turns and reward of the
+    episodes that did not fail."""
+    ok = [e for e in episodes if not e.failed]
+    return {
+        "episodes": float(len(episodes)),
+        "episodes_failed": float(len(episodes) - len(ok)),
+        "episodes_truncated": float(sum(e.truncated for e in ok)),
+        "episodes_drift": float(sum(e.drift for e in ok)),
+        "turns_mean": sum(e.num_turns for e in ok) / max(1, len(ok)),
+        "episode_reward_mean": sum(e.reward for e in ok) / max(1, len(ok)),
+    }
