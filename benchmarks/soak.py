@@ -287,7 +287,7 @@ def start_server(args: argparse.Namespace, mode: str, log) -> tuple[subprocess.P
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "spinwheel.cli", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--engine-preemption-mode", mode, "--engine-num-kv-blocks", str(args.num_kv_blocks)]
-    cmd += ["--engine-num-cpu-blocks", str(4 * args.num_kv_blocks), "--engine-block-size", "8"]
+    cmd += ["--engine-num-cpu-blocks", str(args.num_kv_blocks), "--engine-block-size", "8"]
     cmd += ["--header-timeout-s", "2", "--stall-timeout-s", "2", "--max-connections", "256", "--log-level", "warning"]
     cmd += ["--send-buffer-kb", "4", "--api-key", API_KEY]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -100,7 +100,7 @@ def _hf_greedy(hf, prompt, max_new=16):
 
 @pytest.mark.parametrize(
     "config",
-    [dict(), dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", num_cpu_blocks=64)],
+    [dict(), dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", num_cpu_blocks=24)],
     ids=["default", "swap"],
 )
 def test_engine_greedy_matches_hf_on_cuda(tiny_llama, config):

@@ -46,7 +46,7 @@ def _engine_greedy(llm, prompts):
 CONFIGS = {
     "default": dict(),
     "recompute": dict(block_size=4, num_kv_blocks=24, preemption_mode="recompute"),
-    "swap": dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", num_cpu_blocks=64),
+    "swap": dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", num_cpu_blocks=24),
     "chunked": dict(block_size=8, max_num_batched_tokens=16, max_num_seqs=6),
     "no_prefix_no_chunk": dict(
         enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=256

@@ -141,7 +141,7 @@ def test_engine_forgets_finished_rejected_and_aborted_requests():
     that outlives it."""
     for mode in ("recompute", "swap"):
         engine = LLMEngine.from_pretrained(
-            "test", EngineConfig(block_size=8, num_kv_blocks=24, num_cpu_blocks=96, preemption_mode=mode)
+            "test", EngineConfig(block_size=8, num_kv_blocks=24, num_cpu_blocks=24, preemption_mode=mode)
         )
         encoder = DeltaEncoder(engine.output_processor)
         _round(engine, encoder, 0)

@@ -131,7 +131,7 @@ def _groups(queue) -> dict[str, float]:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_latest_arrived_group_evicted_first_and_whole(model, mode):
     engine = LLMEngine(
-        model, None, EngineConfig(block_size=4, num_kv_blocks=24, num_cpu_blocks=64, preemption_mode=mode)
+        model, None, EngineConfig(block_size=4, num_kv_blocks=24, num_cpu_blocks=24, preemption_mode=mode)
     )
     now = time.monotonic()
     # arrival times out of add order: eviction follows arrival, not admission
@@ -174,7 +174,7 @@ def test_latest_arrived_group_evicted_first_and_whole(model, mode):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_no_admission_while_preempted_groups_wait_then_admission_resumes(model, mode):
     engine = LLMEngine(
-        model, None, EngineConfig(block_size=4, num_kv_blocks=16, num_cpu_blocks=64, preemption_mode=mode)
+        model, None, EngineConfig(block_size=4, num_kv_blocks=16, num_cpu_blocks=16, preemption_mode=mode)
     )
     engine.add_request("old", _prompt(1, 10), _greedy(30))
     engine.add_request("mid", _prompt(2, 10), _greedy(30))
@@ -298,6 +298,7 @@ def test_every_request_is_rejected_at_once_or_finishes(
     worst = {rid: _worst_blocks(len(p), params.max_tokens, params.n, block_size) for rid, p, params, _ in workload}
     # a pool about the size of the largest request: the requests contend, and with negative slack some never fit
     num_blocks = max(1, max(worst.values()) + slack)
+    num_cpu_blocks = min(num_cpu_blocks, num_blocks)  # the swap pool is never larger than the KV pool
     fits = {rid: w <= num_blocks for rid, w in worst.items()}
     engine = LLMEngine(
         model,

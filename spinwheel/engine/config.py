@@ -22,7 +22,9 @@ class EngineConfig:
     swap_space_mb: float = option(
         1024.0, help="CPU block pool for swap preemption, in MiB (allocated only with preemption_mode=swap)"
     )
-    num_cpu_blocks: int | None = option(None, help="exact number of CPU swap blocks (overrides swap_space_mb)")
+    num_cpu_blocks: int | None = option(
+        None, help="exact number of CPU swap blocks (overrides swap_space_mb); at most the KV pool's number of blocks"
+    )
     max_num_seqs: int = option(256, help="most sequences in one step (the batch-size cap)")
     max_num_batched_tokens: int = option(2048, help="token budget of one step (prefill chunks + decodes)")
     max_num_batched_tokens_with_decodes: int | None = option(
@@ -85,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.num_kv_blocks is not None:
+            self.check_swap_space(self.num_kv_blocks, "num_kv_blocks")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
@@ -93,4 +97,15 @@ class EngineConfig:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must "
                 f"be >= max_model_len ({self.max_model_len}) so the longest prompt fits in one step"
+            )
+
+    def check_swap_space(self, num_kv_blocks: int, sized_by: str, name: str = "num_cpu_blocks") -> None:
+        """Refuse a CPU swap pool larger than the device KV pool of ``num_kv_blocks`` blocks (``sized_by`` says what
+        set its size): the swap space is bounded by the KV pool it backs (Kwon et al. 2023, §4.5); ``swap_space_mb``
+        is capped there silently, an exact ``num_cpu_blocks`` must fit. ``name`` spells the option in the message."""
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks > num_kv_blocks:
+            raise ValueError(
+                f"{name} must be <= {num_kv_blocks}, the KV pool's size in blocks ({sized_by}), got "
+                f"{self.num_cpu_blocks}: swap space is never larger than the pool it backs; lower it, or leave it "
+                "unset to size the swap pool by swap_space_mb (capped at the pool)"
             )

@@ -70,6 +70,11 @@ class ModelRunner:
         else:
             self.num_blocks = max(1, min(cap, int(config.kv_cache_memory_mb * 2**20 // block_bytes)))
         if config.num_cpu_blocks is not None:
+            # the config checked it against an exact num_kv_blocks; here against a pool sized by memory
+            sized_by = (
+                "capped at max_num_seqs x max_model_len" if self.num_blocks == cap else "sized by kv_cache_memory_mb"
+            )
+            config.check_swap_space(self.num_blocks, sized_by, "num_cpu_blocks (--engine-num-cpu-blocks)")
             self.num_cpu_blocks = config.num_cpu_blocks
         elif config.preemption_mode != "swap":
             self.num_cpu_blocks = 0  # no swap pool unless swap preemption is configured
