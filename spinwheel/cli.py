@@ -183,6 +183,7 @@ def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
 def build_parser() -> argparse.ArgumentParser:
     from spinwheel import __version__
     from spinwheel.demo import DemoConfig
+    from spinwheel.envs import command as envs_command
     from spinwheel.rl.classic import command as classic_command
     from spinwheel.rl.llm.command import PREF_COMMANDS, add_pref_parser, add_rl_parser, rl_commands
     from spinwheel.server.serve import ServeConfig
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(torchrun for data parallel); --eval PATH evaluates a saved policy.pt",
     )
     classic_command.add_arguments(p)
+    envs_command.add_parser(sub)
     sub.add_parser(
         "launch",
         add_help=False,
@@ -250,6 +252,10 @@ def _dispatch(ns: argparse.Namespace) -> int:
         from spinwheel.rl.classic import command as classic_command
 
         return classic_command.run(ns)  # its own messages and exit codes
+    elif ns.command == "envs":
+        from spinwheel.envs import command as envs_command
+
+        return envs_command.run(ns)
     elif ns.command == "serve":
         from spinwheel.server.serve import ServeConfig, serve
 

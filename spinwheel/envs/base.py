@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+SPLITS: tuple[str, ...] = ("train", "test")
+
 Message = dict[str, str]  # {"role": ..., "content": ...}
 Observation = str | list[Message]  # raw text, or chat messages rendered with the chat template
 
@@ -63,6 +65,8 @@ class Env:
     stop: ClassVar[Sequence[str]] = ()  # strings that end the model's turn besides EOS (kept in the action's text)
 
     def __init__(self, split: str = "train", **options: Any) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         self.split = split
 
     def reset(self, seed: int) -> Observation:

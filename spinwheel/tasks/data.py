@@ -5,9 +5,12 @@ as one line in compiler style, ``path:line: what is wrong``, so a bad record in 
 and fixed without reading the reader's code:
 
 - SFT:        ``{"prompt": str, "completion": str}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``
-              (roles system / user / assistant; the last message is the assistant's reply to train on)
+              (roles system / user / assistant; the last message is the assistant's reply to train on) or
+              ``{"segments": [{"text": str, "model": bool}, ...]}`` (a multi-turn episode, e.g. an environment's
+              expert trace: trained on the ``model`` segments only)
 - RL:         ``{"prompt": str, "answer": str | int}`` or ``{"messages": [...], "answer": ...}`` (the conversation so
-              far, ending with the user's turn; rendered with the checkpoint's chat template)
+              far, ending with the user's turn; rendered with the checkpoint's chat template); the line's other
+              fields are kept in ``columns`` (a TRL-style reward function receives them by name)
 - preference: ``{"prompt": str, "chosen": str, "rejected": str}``
 
 Lines are read with a byte cap (:data:`MAX_LINE_BYTES`) before anything parses them, so one huge line costs at
@@ -45,15 +48,22 @@ class DataError(ValueError):
 
 @dataclass
 class SFTRecord:
-    """One SFT example: either ``prompt`` + ``completion`` or a chat ``messages`` list ending with the assistant."""
+    """One SFT example: ``prompt`` + ``completion``, a chat ``messages`` list ending with the assistant, or
+    ``segments``: (text, is the model's) pieces of a multi-turn episode, at least one of them the model's."""
 
     prompt: str | None = None
     completion: str | None = None
     messages: list[dict[str, str]] | None = None
     where: str = field(default="", compare=False, repr=False)  # "path:line" of the record, for later messages
+    segments: list[tuple[str, bool]] | None = None
 
     def __post_init__(self) -> None:
-        if self.messages is None:
+        if self.segments is not None:
+            if self.prompt is not None or self.completion is not None or self.messages is not None:
+                raise ValueError("SFTRecord takes segments alone, without prompt, completion or messages")
+            if not any(model for _, model in self.segments):
+                raise ValueError("SFTRecord segments need at least one model segment (the text to train on)")
+        elif self.messages is None:
             if self.prompt is None or self.completion is None:
                 raise ValueError("SFTRecord needs prompt and completion, or messages")
         elif self.prompt is not None or self.completion is not None:
@@ -70,6 +80,8 @@ class RLRecord:
     answer: str
     messages: list[dict[str, str]] | None = None  # instead of prompt: rendered with the chat template
     where: str = field(default="", compare=False, repr=False)
+    # The line's other fields as read (JSON values; "answer" too, unconverted), for TRL-style reward functions.
+    columns: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass
@@ -188,11 +200,39 @@ def _messages(where: str, value: Any, last_role: str = "assistant") -> list[dict
     return messages
 
 
+def _segments(where: str, obj: dict[str, Any]) -> list[tuple[str, bool]]:
+    others = [key for key in ("prompt", "completion", "messages") if key in obj]
+    if others:
+        formats = "(prompt and completion, messages, or segments)"
+        raise DataError(f"{where}: field '{others[0]}' given together with 'segments'; use one format {formats}")
+    value = obj["segments"]
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if isinstance(value, list) else _type_name(value)
+        raise DataError(f'{where}: field \'segments\' must be a non-empty list of {{"text", "model"}}, got {got}')
+    segments = []
+    for i, segment in enumerate(value):
+        name = f"segments[{i}]"
+        if not isinstance(segment, dict):
+            raise DataError(f"{where}: field '{name}' must be an object, got {_type_name(segment)}")
+        text = _string(where, segment, "text", f"in '{name}'")
+        model = segment.get("model")
+        if not isinstance(model, bool):
+            raise DataError(f"{where}: field '{name}.model' must be true or false, got {_type_name(model)}")
+        segments.append((text, model))
+    if not any(model and text for text, model in segments):
+        raise DataError(
+            f"{where}: field 'segments' has no non-empty segment with \"model\": true (nothing to train on)"
+        )
+    return segments
+
+
 def read_sft_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_BYTES) -> list[SFTRecord]:
-    """SFT records from ``{"prompt", "completion"}`` or ``{"messages"}`` lines (the two may be mixed)."""
+    """SFT records from ``{"prompt", "completion"}``, ``{"messages"}`` or ``{"segments"}`` lines (may be mixed)."""
     records = []
     for where, obj in _read_objects(path, max_line_bytes):
-        if "messages" in obj:
+        if "segments" in obj:
+            records.append(SFTRecord(segments=_segments(where, obj), where=where))
+        elif "messages" in obj:
             both = [key for key in ("prompt", "completion") if key in obj]
             if both:
                 raise DataError(
@@ -206,9 +246,13 @@ def read_sft_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_
     return records
 
 
-def read_rl_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_BYTES) -> list[RLRecord]:
+def read_rl_jsonl(
+    path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_BYTES, require_answer: bool = True
+) -> list[RLRecord]:
     """RL records from ``{"prompt", "answer"}`` or ``{"messages", "answer"}`` lines (the messages end with the
-    user's turn); an integer answer is kept as its decimal text."""
+    user's turn); an integer answer is kept as its decimal text. The other fields of each line are kept in
+    ``columns``. ``require_answer=False`` (a reward that reads other columns): a line without a text or integer
+    answer gets ``""``."""
     expected = '(expected {"prompt", "answer"} or {"messages", "answer"})'
     records = []
     for where, obj in _read_objects(path, max_line_bytes):
@@ -219,15 +263,19 @@ def read_rl_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_B
             messages, prompt = _messages(where, obj["messages"], last_role="user"), None
         else:
             prompt = _string(where, obj, "prompt", expected)
-        if "answer" not in obj:
+        if "answer" not in obj and require_answer:
             raise DataError(f"{where}: missing field 'answer' {expected}")
-        answer = obj["answer"]
+        answer = obj.get("answer", "")
         # bool is an int subclass in Python, but `true` is no answer to a prompt.
         if isinstance(answer, int) and not isinstance(answer, bool):
             answer = str(answer)
+        if not isinstance(answer, str) and not require_answer:
+            answer = ""  # a column the reward reads as it is (kept in columns), not the text answer
         if not isinstance(answer, str):
             raise DataError(f"{where}: field 'answer' must be a string or an integer, got {_type_name(answer)}")
-        records.append(RLRecord(prompt=prompt, answer=_text(where, "answer", answer), messages=messages, where=where))
+        columns = {k: v for k, v in obj.items() if k not in ("prompt", "messages")}
+        answer = _text(where, "answer", answer)
+        records.append(RLRecord(prompt=prompt, answer=answer, messages=messages, where=where, columns=columns))
     return records
 
 
