@@ -172,6 +172,9 @@ def _add_option(group: Any, f: dataclasses.Field, hint: Any, prefix: str, defaul
     dest = prefix.replace("-", "_") + f.name
     if tp is bool:
         group.add_argument(name, dest=dest, action=_Flag, default=default, help=shown)
+    elif typing.get_origin(tp) in (list, tuple) and f.metadata.get("repeat"):  # --x a b --x c: (a, b, c)
+        (inner, *_) = typing.get_args(tp) or (str,)
+        group.add_argument(name, dest=dest, type=inner, nargs="+", action="extend", default=None, help=shown)
     elif typing.get_origin(tp) in (list, tuple):
         (inner, *_) = typing.get_args(tp) or (str,)
         group.add_argument(name, dest=dest, type=inner, nargs="*", default=default, help=shown)
@@ -197,6 +200,8 @@ def from_args(cls: type[T], ns: argparse.Namespace, prefix: str = "") -> T:
         dest = prefix.replace("-", "_") + f.name
         if f.init and hasattr(ns, dest):
             value = getattr(ns, dest)
+            if value is None and f.metadata.get("repeat"):
+                continue  # not given: the field's default
             if isinstance(value, list) and isinstance(f.default, tuple):
                 value = tuple(value)
             kwargs[f.name] = value

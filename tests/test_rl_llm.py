@@ -299,3 +299,21 @@ def test_held_out_evaluation_scores_with_the_runs_own_reward(tmp_path, monkeypat
     evals = [r["eval_reward"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval_reward" in r]
     assert len(evals) == 2 and all(0.5 <= v <= 1.5 for v in evals)  # the user's scale, not exact match's 0/1
     assert result["eval_after"] == evals[-1] and result["eval_label"] == "mean reward"
+
+
+def test_held_out_evaluation_is_greedy_episodes_scored_by_the_reward(tmp_path):
+    """The step-0 evaluation equals greedy generation on the held-out prompts scored by the run's reward, computed
+    here without the episode machinery."""
+    from spinwheel.engine import LLM, SamplingParams
+    from spinwheel.models.hf import load_model
+    from spinwheel.models.tokenizer import load_tokenizer
+    from spinwheel.rl.llm.build import load_prompts
+
+    config = small_config(tmp_path, steps=1, eval_examples=8)
+    result = train_rl(config)
+    tok = load_tokenizer("test")
+    model = load_model("test", vocab_size=tok.vocab_size, seed=config.seed)
+    prompts = load_prompts(config, tok)[1][:8]
+    outs = LLM(model, tok, seed=0).generate([list(p.ids) for p in prompts], SamplingParams(temperature=0, max_tokens=5))
+    rewards = load_reward_fn(config.reward)([o.outputs[0].text for o in outs], [p.answer for p in prompts])
+    assert result["eval_before"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)

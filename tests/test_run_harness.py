@@ -141,12 +141,13 @@ def _grpo(tmp_path: Path, reward: str) -> list[str]:
     return [*SPINWHEEL, *args, "--reward", reward, "--out-dir", str(tmp_path / "run")]
 
 
+# Call 1 scores the evaluation at step 0 (evaluation uses the run's own reward), calls 2 and 3 steps 1 and 2.
 REWARD = """
 calls = 0
 def fn(completions, answers):
     global calls
     calls += 1
-    if calls == 3:
+    if calls == 4:
         raise RuntimeError("the grader is down")
     return [0.0] * len(completions)
 """
@@ -215,7 +216,7 @@ calls = 0
 def fn(completions, answers):
     global calls
     calls += 1
-    if calls == 3:
+    if calls == 4:
         print("hanging", flush=True)
         time.sleep(1000)
     return [0.0] * len(completions)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -24,11 +25,21 @@ def load_prompts(
     if config.data is None:
         task = ArithmeticTask(config.task)
         return prompts_from_task(tokenizer, task.train), prompts_from_task(tokenizer, task.test)
-    records = read_rl_jsonl(config.data)
+    trl_style = False
+    if config.reward != "task" and config.reward_model is None:
+        from spinwheel.envs.dataset import is_trl_style
+        from spinwheel.rl.llm.rewards import RewardError, load_reward_fn
+
+        try:
+            trl_style = is_trl_style(load_reward_fn(config.reward))  # it may read other columns than the answer
+        except RewardError:
+            pass  # the run reports it where it loads the reward
+    records = read_rl_jsonl(config.data, require_answer=not trl_style)
     if config.reward == "task" and config.reward_model is None:
         check_integer_answers(records)
     plain = iter(prompts_from_task(tokenizer, [r for r in records if r.messages is None]))
     rows = [next(plain) if r.messages is None else chat_prompt(tokenizer, r, config.data) for r in records]
+    rows = [dataclasses.replace(p, record=r) for p, r in zip(rows, records)]  # the reward may read its columns
     if max_context is not None:
         room = max_context - config.max_new_tokens
         skipped = [f"{r.where} ({len(p.ids)} tokens)" for r, p in zip(records, rows) if len(p.ids) > room]

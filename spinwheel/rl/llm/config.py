@@ -52,6 +52,24 @@ class RLConfig(RunConfig):
         "error (Ctrl-C also stops the wait)",
         group="model and data",
     )
+    env: str | None = option(
+        None,
+        help="environment of the episodes: a built-in (arithmetic, dataset, calculator, guess), 'module:Class' or "
+        "'reasoning-gym:NAME'; default: one-step episodes of the built-in task or --data, scored by --reward",
+        group="model and data",
+    )
+    env_arg: tuple[str, ...] = option(
+        (), help="the environment's options as key=value (repeatable)", group="model and data", repeat=True
+    )
+    max_turns: int | None = option(
+        None, help="model turns per episode at most (default: the environment's)", group="rollout"
+    )
+    max_episode_tokens: int | None = option(
+        None, help="tokens per episode at most, observations included (default: the model's context)", group="rollout"
+    )
+    env_timeout_s: float = option(
+        30.0, help="seconds an environment's reset or step may take; past it the episode fails", group="rollout"
+    )
     prompts_per_step: int = option(8, help="prompts per rollout step", group="rollout")
     group_size: int = option(8, help="completions sampled per prompt (G)", group="rollout")
     max_new_tokens: int = option(8, help="max tokens per completion", group="rollout")
@@ -145,6 +163,14 @@ class RLConfig(RunConfig):
             unit_interval=("gamma", "lam"),
             fraction=("top_p", "fisher_fraction"),
         )
+        check_ranges(self, at_least_1=("max_turns", "max_episode_tokens"), positive=("env_timeout_s",))
+        if self.env is not None and (self.data is not None or self.reward != "task" or self.reward_model):
+            raise ValueError(
+                "--env takes its prompts and rewards from the environment: drop --data / --reward / --reward-model "
+                "(a JSONL with a reward function is --env dataset --env-arg data=PATH reward=module:function)"
+            )
+        if self.env_arg and self.env is None:
+            raise ValueError("--env-arg passes options to an environment: give --env too")
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2 (group baselines need two samples), got {self.group_size}")
         if self.reward_timeout_s is not None and not 0 < self.reward_timeout_s < float("inf"):

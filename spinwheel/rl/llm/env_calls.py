@@ -152,7 +152,19 @@ def step_call(
 ) -> tuple[list[int] | None, list[Message] | None, float, bool, dict[str, float]]:
     """On a worker: step, check, and tokenize the observation unless the episode is done: (observation tokens,
     chat history after them, reward, done, info)."""
-    obs, reward, done, info = checked_step(env.step(action))
+    return step_answer(env.step(action), action, history, tokenizer, max_chars, ended_on_eos)
+
+
+def step_answer(
+    result: Any,
+    action: Action,
+    history: list[Message] | None,
+    tokenizer: Tokenizer,
+    max_chars: int,
+    ended_on_eos: bool,
+) -> tuple[list[int] | None, list[Message] | None, float, bool, dict[str, float]]:
+    """:func:`step_call`'s checks and tokens of a step's ``result`` (for steps taken in a batch)."""
+    obs, reward, done, info = checked_step(result)
     if done:
         return None, history, reward, done, info
     ids, history = observation_tokens(

@@ -67,6 +67,29 @@ class Episode:
     drift: bool = False  # re-tokenising the decoded text would give other tokens
 
 
+@dataclass
+class EpisodeConfig:
+    """How episodes are sampled and bounded."""
+
+    max_new_tokens: int = 64  # tokens per turn at most (cut to what fits the episode's limit)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int | None = None  # None: the environment's max_turns; else the smaller of the two
+    max_total_tokens: int | None = None  # tokens per episode at most; None: the model's context
+    env_timeout_s: float | None = 30.0  # per reset/step call; None: wait forever
+    batch_timeout_s: float | None = 300.0  # a batched step (one-step environments' reward call); None: no limit
+    max_observation_chars: int = 64 * 1024  # a larger observation fails the episode
+    num_env_workers: int = 16  # environment calls running at once
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_turns", "max_total_tokens", "max_observation_chars", "num_env_workers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"EpisodeConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
+            raise ValueError(f"EpisodeConfig.env_timeout_s must be > 0 or None, got {self.env_timeout_s}")
+
+
 def first_tokens(tokenizer: Tokenizer, obs: Observation) -> tuple[list[int], list[Message] | None]:
     """The first observation's tokens (the prompt) and, for chat observations, the message history."""
     if isinstance(obs, str):
@@ -118,6 +141,7 @@ def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tenso
     """Right-padded tensors of the episodes (module docstring): ``input_ids``, ``labels``, ``mask``,
     ``engine_logprobs`` (0 off the mask) and ``turn_rewards``, all (B, T); ``prompt_lens`` and ``completion_lens``
     (B,): the first observation's length and the rest."""
+    episodes = [e if len(e.token_ids) >= 2 else _empty_row(e, pad_id) for e in episodes]  # failed at reset
     width = max(len(e.token_ids) for e in episodes)  # T + 1
     tokens, mask, engine, rewards = [], [], [], []
     for e in episodes:
@@ -154,3 +178,29 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "turns_mean": sum(e.num_turns for e in ok) / max(1, len(ok)),
         "episode_reward_mean": sum(e.reward for e in ok) / max(1, len(ok)),
     }
+
+
+def _empty_row(e: Episode, pad_id: int) -> Episode:
+    """A failed episode with no tokens as a row of two pads that nothing is trained on (the batch keeps its
+    group-major layout)."""
+    return Episode(e.env_index, e.sample_index, e.env_seed, token_ids=[pad_id, pad_id], mask=[0, 0],
+                   engine_logprobs=[0.0, 0.0], prompt_len=1, failed=True, error=e.error)  # fmt: skip
+
+
+def episode_rewards(episodes: list[Episode], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards (B,), keep (B,)): a failed episode is left out of the loss (keep 0) and takes the mean reward of
+    its group's other episodes, so that it moves neither their advantages' mean nor its own."""
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
+    ok = torch.tensor([not e.failed for e in episodes], dtype=torch.float32).view(-1, group_size)
+    mean = (rewards * ok).sum(1, keepdim=True) / ok.sum(1, keepdim=True).clamp(min=1)
+    return torch.where(ok > 0, rewards, mean).flatten(), ok.flatten()
+
+
+def mean_info(episodes: list[Episode]) -> dict[str, float]:
+    """The mean of each ``info`` figure over the episodes that report it, and the mean number of turns."""
+    sums: dict[str, list[float]] = {}
+    for e in episodes:
+        for key, value in e.info.items():
+            sums.setdefault(key, []).append(value)
+    means = {key: sum(values) / len(values) for key, values in sums.items()}
+    return {**means, "turns": sum(e.num_turns for e in episodes) / max(1, len(episodes))}

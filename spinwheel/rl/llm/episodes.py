@@ -39,8 +39,9 @@ from typing import Any
 from spinwheel.engine import LLMEngine, SamplingParams
 from spinwheel.engine.outputs import CompletionOutput, RequestOutput
 from spinwheel.envs.base import Action, Env
-from spinwheel.rl.llm.env_calls import EnvCall, EnvCallError, EnvWorkers, reset_call, step_call
-from spinwheel.rl.llm.episode_tokens import Episode, has_drift
+from spinwheel.envs.single import step_batch
+from spinwheel.rl.llm.env_calls import EnvCall, EnvCallError, EnvWorkers, reset_call, step_answer, step_call
+from spinwheel.rl.llm.episode_tokens import Episode, EpisodeConfig, has_drift
 from spinwheel.rl.llm.rollout import sample_seed
 
 WAIT_SLICE_S = 0.01  # how long an idle engine waits on environment calls before looking at the clock again
@@ -49,28 +50,6 @@ _request_ids = itertools.count()  # engine request ids, unique in the process
 
 class EpisodesInterrupted(KeyboardInterrupt):
     """The rollout was stopped because ``should_stop()`` turned true (a Ctrl-C or SIGTERM flag)."""
-
-
-@dataclass
-class EpisodeConfig:
-    """How episodes are sampled and bounded."""
-
-    max_new_tokens: int = 64  # tokens per turn at most (cut to what fits the episode's limit)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_turns: int | None = None  # None: the environment's max_turns; else the smaller of the two
-    max_total_tokens: int | None = None  # tokens per episode at most; None: the model's context
-    env_timeout_s: float | None = 30.0  # per reset/step call; None: wait forever
-    max_observation_chars: int = 64 * 1024  # a larger observation fails the episode
-    num_env_workers: int = 16  # environment calls running at once
-
-    def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "max_turns", "max_total_tokens", "max_observation_chars", "num_env_workers"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"EpisodeConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"EpisodeConfig.env_timeout_s must be > 0 or None, got {self.env_timeout_s}")
 
 
 @dataclass
@@ -106,6 +85,7 @@ class _Run:
     call: EnvCall | None = None
     calling: str = ""  # "reset" or "step"
     live: bool = True
+    batched: bool = False  # its class steps many episodes in one call (one-step environments: one reward call)
 
 
 def run_episodes(
@@ -115,12 +95,18 @@ def run_episodes(
     seed: int,
     step: int,
     should_stop: Callable[[], bool] | None = None,
+    figures: dict[str, float] | None = None,
 ) -> list[Episode]:
     """Play every group's episodes to the end on ``engine`` (the ``LLM``'s ``.engine``, with a tokenizer);
-    episodes come back group-major (``i = group · G + sample``), failed ones included (``failed``, ``error``)."""
+    episodes come back group-major (``i = group · G + sample``), failed ones included (``failed``, ``error``).
+    ``figures`` (when given) receives ``batch_step_s``: the seconds spent in batched steps (reward calls)."""
     if engine.tokenizer is None:
         raise ValueError("run_episodes needs an engine with a tokenizer (observations are text)")
-    return _Driver(engine, groups, config, seed, step, should_stop).run()
+    driver = _Driver(engine, groups, config, seed, step, should_stop)
+    episodes = driver.run()
+    if figures is not None:
+        figures["batch_step_s"] = driver.batch_step_s
+    return episodes
 
 
 class _Driver:
@@ -131,6 +117,9 @@ class _Driver:
         self.groups = [[self._new_run(g, k, j, env) for j, env in enumerate(g.envs)] for k, g in enumerate(groups)]
         self.requests: dict[str, list[_Run]] = {}  # engine request id -> its episodes by sample index
         self.waiting: list[_Run] = []  # runs with an environment call out
+        self.pending: list[tuple[_Run, Action, bool]] = []  # turns of batched environments, stepped together
+        self.batch_step_s = 0.0  # time in batched steps (the one-step reward calls)
+        self.started = 0  # groups whose first turn is requested (in order)
         self.workers = EnvWorkers(config.num_env_workers)
 
     def _new_run(self, group: EpisodeGroup, k: int, j: int, env: Env) -> _Run:
@@ -138,7 +127,8 @@ class _Driver:
         if self.config.max_turns is not None:
             turns = min(turns, self.config.max_turns)
         stop = list(getattr(env, "stop", ()) or ())
-        return _Run(Episode(group.index, j, group.seed), k, env, max(1, turns), stop)
+        batched = callable(getattr(type(env), "step_batch", None))
+        return _Run(Episode(group.index, j, group.seed), k, env, max(1, turns), stop, batched=batched)
 
     def run(self) -> list[Episode]:
         runs = [r for g in self.groups for r in g]
@@ -146,9 +136,13 @@ class _Driver:
             for group in self.groups:
                 for r in group:
                     self._call(r, "reset", reset_call, r.env, r.episode.env_seed, self.tokenizer, self._max_chars)
+            while self.waiting:  # every reset first: the first turns enter the engine together, in group order
+                self._check_stop()
+                self._collect_calls()
+                if self.waiting:
+                    wait([r.call.future for r in self.waiting], WAIT_SLICE_S, FIRST_COMPLETED)  # type: ignore[union-attr]
             while any(r.live for r in runs):
-                if self.should_stop is not None and self.should_stop():
-                    raise EpisodesInterrupted("stopped waiting for the episodes")
+                self._check_stop()
                 self._collect_calls()
                 if self.requests:
                     for out in self.engine.step(stream=False):
@@ -156,6 +150,8 @@ class _Driver:
                             self._on_output(out)
                 elif self.waiting:
                     wait([r.call.future for r in self.waiting], WAIT_SLICE_S, FIRST_COMPLETED)  # type: ignore[union-attr]
+                elif self.pending:
+                    self._step_pending()
                 elif any(r.live for r in runs):  # liveness: a live episode always waits on a request or a call
                     raise RuntimeError("episodes in flight wait on nothing (a bug in the episode driver)")
         finally:
@@ -163,6 +159,10 @@ class _Driver:
         for r in runs:
             r.episode.drift = bool(r.episode.token_ids) and has_drift(self.tokenizer, r.episode.token_ids)
         return [r.episode for r in runs]
+
+    def _check_stop(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise EpisodesInterrupted("stopped waiting for the episodes")
 
     @property
     def _max_chars(self) -> int:
@@ -203,8 +203,9 @@ class _Driver:
                 self._on_answer(r, *call.future.result())
             else:
                 self._on_reset(r, *call.future.result())
-            if r.calling == "reset" and all(g.call is None for g in self.groups[r.group]):
-                self._start_group(self.groups[r.group])  # every reset of the group is back: its first turn
+        while self.started < len(self.groups) and all(r.call is None for r in self.groups[self.started]):
+            self._start_group(self.groups[self.started])  # every reset of the group is back: its first turn
+            self.started += 1  # in group order, whatever order the resets came back in: the same engine batches
 
     def _on_reset(self, run: _Run, ids: list[int], history: list | None) -> None:
         e = run.episode
@@ -265,8 +266,33 @@ class _Driver:
         e.num_turns += 1
         ended_on_eos = bool(ids) and ids[-1] in self.engine.eos_ids
         action = Action(c.text, ids)
+        if run.batched:
+            self.pending.append((run, action, ended_on_eos))
+            return
         args = (run.env, action, run.history, self.tokenizer, self._max_chars, ended_on_eos)
         self._call(run, "step", step_call, *args)
+
+    def _step_pending(self) -> None:
+        """Step the batched environments' turns, once nothing else is in flight, in one call per class
+        (:func:`spinwheel.envs.step_batch`: a one-step environment's reward function sees the whole batch, as a
+        reward is called today). A failing batch call (a :class:`~spinwheel.rl.llm.rewards.RewardError`, or a
+        Ctrl-C while it waits) fails the rollout: it is raised."""
+        pending, self.pending = self.pending, []
+        start = time.perf_counter()
+        steps = step_batch(
+            [r.env for r, _, _ in pending],
+            [a for _, a, _ in pending],
+            timeout_s=self.config.batch_timeout_s,
+            should_stop=self.should_stop,
+        )
+        self.batch_step_s += time.perf_counter() - start
+        for (r, action, eos), result in zip(pending, steps):
+            try:
+                answer = step_answer(result, action, r.history, self.tokenizer, self._max_chars, eos)
+            except EnvCallError as e:
+                self._fail(r, f"env.step: {e}")
+            else:
+                self._on_answer(r, *answer)
 
     def _on_answer(self, run: _Run, ids: list[int] | None, history, reward: float, done: bool, info) -> None:
         e = run.episode

@@ -22,15 +22,18 @@ from typing import Any
 
 import torch
 
-from spinwheel.engine import LLM, SamplingParams
+from spinwheel.engine import LLM
+from spinwheel.envs import EnvError
 from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.rl.llm.algorithms import ALGORITHMS, Algorithm, Parts
-from spinwheel.rl.llm.build import load_prompts
 from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted, load_reward_fn, score
-from spinwheel.rl.llm.rollout import Rollout, generate_rollout, rollout_batch
+from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards, mean_info
+from spinwheel.rl.llm.episodes import EpisodesInterrupted
+from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
+from spinwheel.rl.llm.rollout import gather_dp, sample_seed
+from spinwheel.rl.llm.run_envs import PromptsEnv, play_share, run_environments
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights, truncated_is_weights
 from spinwheel.train.interrupt import any_rank
@@ -100,14 +103,13 @@ class RLJob:
             self.learner.load(run.ckpt_dir, run.state)
         say = print if run.is_main else (lambda line: None)
         context = policy.config.max_position_embeddings
-        self.train_prompts, self.eval_prompts = load_prompts(config, tokenizer, context, log=say)
-        self.reward_fn, self.reward_name = self._reward()
-        builtin = config.reward == "task" and config.reward_model is None
+        self.make_env, builtin = run_environments(config, tokenizer, context, say)
+        self.num_train = getattr(self.make_env("train"), "num_tasks", None)  # None: procedural episodes
+        self.num_eval = getattr(self.make_env("test"), "num_tasks", None)
         self.eval_key = "eval_exact_match" if builtin else "eval_reward"  # the built-in reward is exact match
         self.eval_label = "exact match" if builtin else "mean reward"
-        longest = max(len(p.ids) for p in self.train_prompts + self.eval_prompts)
         engine_options = dataclasses.asdict(config.engine)
-        engine_options.update(max_model_len=min(longest + config.max_new_tokens + 1, context), seed=config.seed)
+        engine_options.update(max_model_len=self._max_model_len(context), seed=config.seed)
         assert self.learner.engine_model is not None
         self.llm = LLM(self.learner.engine_model, tokenizer, **engine_options)
         engine = self.learner.engine_model
@@ -117,7 +119,7 @@ class RLJob:
         self.algo.capture = self.on_policy
         run.open_log(self.learner.is_main)
         if not run.resumed:
-            counts = {"num_train": len(self.train_prompts), "num_eval": len(self.eval_prompts)}
+            counts = {"num_train": self.num_train, "num_eval": self.num_eval}
             trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
             run.log(
                 {"step": 0, "algo": config.algo, **counts, "num_trainable_params": trainable, **sync_figures(policy)}
@@ -131,46 +133,33 @@ class RLJob:
         copy = "all" if optim is not None and model.config.num_labels is None else "none"
         return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy, temperature=t)
 
-    def _reward(self):
-        """(reward function of (completions, context), its name); the context is the answers, or the prompts'
-        texts for a reward model."""
-        if self.config.reward_model is None:
-            return load_reward_fn(self.config.reward), "reward"
-        from spinwheel.rl.llm.reward_model import reward_model_fn
-
-        rm = reward_model_fn(self.config.reward_model, device=self.config.device)
-        return (lambda completions, prompts: rm(prompts, completions)), "reward-model"
+    def _max_model_len(self, context: int) -> int:
+        """The engine's context: one-step episodes over prompts need the longest prompt and its completion (as
+        before environments: the same KV pool); other environments the episode's limit."""
+        c, env = self.config, self.make_env("train")
+        if isinstance(env, PromptsEnv):
+            prompts = [*env.prompts, *self.make_env("test").prompts]  # type: ignore[attr-defined]
+            return min(max(len(p.ids) for p in prompts) + c.max_new_tokens + 1, context)
+        return min(c.max_episode_tokens or context, context)
 
     def step(self, step: int) -> dict[str, Any]:
-        """One rollout step: generate → score → log-probs → advantages → update → weight sync."""
+        """One rollout step: play episodes (generate, environments, rewards) → log-probs → advantages → update →
+        weight sync."""
         c, algo, learner = self.config, self.algo, self.learner
         times, comm_before = [time.perf_counter()], learner.comm_metrics()
-        rows = batch_indices(step, c.prompts_per_step, len(self.train_prompts), c.seed)
-        rollout = generate_rollout(
-            self.llm,
-            [self.train_prompts[i] for i in rows],
-            step,
-            c.seed,
-            c.group_size,
-            c.max_new_tokens,
-            c.temperature,
-            c.top_p,
-            self.dims,
-        )
-        times.append(time.perf_counter())
-        rewards = self.score(rollout)
-        times.append(time.perf_counter())
-        batch = {k: v.to(c.device) for k, v in rollout_batch(rollout, self.pad_id).items()}
+        episodes, reward_s = self.play(step)
+        times += [time.perf_counter() - reward_s, time.perf_counter()]  # sampling and environments; reward calls
+        rewards, keep = episode_rewards(episodes, c.group_size)
+        batch = {k: v.to(c.device) for k, v in episode_batch(episodes, self.pad_id).items()}
         inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
         if not learner.distributed:  # the local learner runs each group's shared prompt once
             inputs.update(prompt_lens=batch["prompt_lens"], completion_lens=batch["completion_lens"])
         old = None if self.on_policy else learner.forward(inputs)["logprobs"]
         ref = self.reference.forward(inputs)["logprobs"] if self.reference is not None else None
         times.append(time.perf_counter())
-        mask = batch["mask"]
-        keep = torch.ones(mask.shape[0], device=mask.device)
+        mask, keep = batch["mask"], keep.to(batch["mask"].device)
         if c.dynamic_sampling:  # DAPO: groups whose rewards are all equal carry no signal
-            keep = dynamic_sampling_mask(rewards, c.group_size).float().to(mask.device)
+            keep = keep * dynamic_sampling_mask(rewards, c.group_size).float().to(mask.device)
         advantages = algo.prepare(rewards.to(mask.device), mask, inputs, old, ref)
         per_row = {**inputs, "mask": mask * keep[:, None], **advantages, **self.logprob_rows(old, ref, batch)}
         algo.captured.clear()
@@ -181,27 +170,32 @@ class RLJob:
         self.llm.update_weights(learner.engine_model)  # ZeRO-1/2 write through flat buckets: repack explicitly
         times.append(time.perf_counter())
         record = self.record(rewards, mask, keep, old, ref, batch["engine_logprobs"], stats, times)
+        record.update(episode_metrics(episodes))
         return {**record, **metrics_since(learner.comm_metrics(), comm_before)}  # log-probs, updates, weight sync
 
-    def score(self, rollout: Rollout) -> torch.Tensor:
-        """The rollout's rewards (B,); a reward function that fails (or a Ctrl-C while it runs) fails the step on
-        every rank together, before any weight changed (the harness saves the steps before it)."""
-        c, error = self.config, None
-        context = [p.text if c.reward_model else p.answer for p in rollout.row_prompts]
+    def play(self, step: int) -> tuple[list[Episode], float]:
+        """The step's episodes, every rank's, and the seconds this rank spent in reward calls. A reward function
+        that fails (or a Ctrl-C while it runs) fails the step on every rank together, before any weight changed
+        (the harness saves the steps before it); so does a step whose episodes mostly fail."""
+        c, figures, error = self.config, {}, None
+        if self.num_train:  # a fixed set of tasks: epochs of a seeded order, as the prompts were drawn
+            seeds = batch_indices(step, c.prompts_per_step, self.num_train, c.seed)
+        else:  # procedural: a fresh seed per environment
+            seeds = [sample_seed(c.seed, step, k) for k in range(c.prompts_per_step)]
         try:
-            rewards = score(
-                self.reward_fn,
-                rollout.texts,
-                context,
-                self.reward_name,
-                timeout_s=c.reward_timeout_s,
-                should_stop=self.run.stop_requested,
-            )
-        except (RewardError, RewardInterrupted) as e:
+            mine = play_share(self.llm, self.make_env, seeds, step, c, self.dims, self.run.stop_requested, figures)
+        except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
             error = e
         if any_rank(error is not None, self.dims is not None):
             raise StepFailed(error or RewardError("the reward failed on another rank (that rank's log says why)"))
-        return rewards
+        episodes = [e for part in gather_dp(mine, self.dims) for e in part]
+        failed = [e for e in episodes if e.failed]
+        if 2 * len(failed) > len(episodes):
+            where = c.env or "the run's prompts"
+            raise StepFailed(
+                EnvError(f"{len(failed)} of {len(episodes)} episodes of {where} failed: {failed[0].error}")
+            )
+        return episodes, figures.get("batch_step_s", 0.0)
 
     def logprob_rows(self, old, ref, batch) -> dict[str, torch.Tensor]:
         """The per-row log-prob tensors the loss reads besides the algorithm's: reference, old policy, and the
@@ -237,18 +231,19 @@ class RLJob:
         return record
 
     def evaluate(self, step: int) -> float | None:
-        """The held-out mean reward of greedy completions under the run's own reward (for the built-in task's
-        reward: exact match), on the main rank (the engine holds the current weights)."""
-        if not self.learner.is_main or not self.eval_prompts:
-            return None
+        """The held-out mean reward of greedy episodes on the test split (for the built-in task's reward: exact
+        match) and the means of the environment's figures, on the main rank (the engine holds the current
+        weights)."""
         c = self.config
-        greedy = SamplingParams(temperature=0.0, max_tokens=c.max_new_tokens)
-        examples = self.eval_prompts[: c.eval_examples]
-        completions = [o.outputs[0].text for o in self.llm.generate([list(p.ids) for p in examples], greedy)]
-        context = [p.text if c.reward_model else p.answer for p in examples]
-        rewards = score(self.reward_fn, completions, context, self.reward_name, timeout_s=c.reward_timeout_s)
-        value = float(rewards.mean())
-        self.run.log({"step": step, self.eval_key: value})
+        num = min(c.eval_examples, self.num_eval) if self.num_eval is not None else c.eval_examples
+        if not self.learner.is_main or num == 0:
+            return None
+        seeds = list(range(num))
+        episodes = play_share(self.llm, self.make_env, seeds, -1, c, None, split="test", group_size=1, temperature=0.0)
+        episodes = [e for e in episodes if not e.failed]
+        value = sum(e.reward for e in episodes) / max(1, len(episodes))
+        figures = {f"eval_{k}": v for k, v in mean_info(episodes).items() if f"eval_{k}" != self.eval_key}
+        self.run.log({"step": step, self.eval_key: value, **figures})
         return value
 
     def save(self, ckpt_dir: Path, state: dict[str, Any]) -> None:

@@ -17,7 +17,8 @@ Batch layout, row ``i = p·G + j`` (prompt p, sample j), right-padded to the lon
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,12 +26,15 @@ from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel.mesh import ParallelDims
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
     ids: tuple[int, ...]  # tokenized with the tokenizer's special tokens (BOS)
     answer: str
+    record: Any = field(default=None, compare=False, repr=False)  # its --data line (columns, chat messages)
 
     @property
     def prompt(self) -> str:  # the names task evaluation reads
@@ -55,6 +59,31 @@ class Rollout:
 def sample_seed(seed: int, step: int, prompt_index: int) -> int:
     """The sampling seed of prompt ``prompt_index`` of rollout step ``step`` (a pure function, see the docstring)."""
     return (seed * 1_000_003 + step) * 1_000_033 + prompt_index
+
+
+def dp_share(num_items: int, dims: ParallelDims | None) -> tuple[int, int]:
+    """(first, count) of this data-parallel rank's contiguous share of ``num_items`` (the last shares may be
+    shorter, or empty)."""
+    dp_size = dims.dp_axis.size if dims is not None else 1
+    dp_rank = dims.dp_axis.rank if dims is not None else 0
+    share = -(-num_items // dp_size)
+    first = min(dp_rank * share, num_items)
+    return first, min(share, num_items - first)
+
+
+def gather_dp(mine: T, dims: ParallelDims | None) -> list[T]:
+    """Every data-parallel rank's ``mine``, in dp-rank order, on every rank (a collective over the world; the
+    tensor/pipeline peers of a dp rank hold the same share: one is kept)."""
+    if dims is None or dims.dp_axis.size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dims.dp_axis.rank, mine))
+    by_dp: dict[int, T] = {}
+    for r, part in gathered:  # type: ignore[misc]
+        by_dp.setdefault(r, part)
+    return [by_dp[r] for r in range(dims.dp_axis.size)]
 
 
 def generate_share(
@@ -87,11 +116,8 @@ def generate_rollout(
 ) -> Rollout:
     """The step's global rollout; under torchrun each data-parallel rank samples its contiguous share of the
     prompts (the last shares may be shorter), then every rank receives every share (collective over the world)."""
-    dp_size = dims.dp_axis.size if dims is not None else 1
-    dp_rank = dims.dp_axis.rank if dims is not None else 0
-    share = -(-len(prompts) // dp_size)
-    first = dp_rank * share
-    own = prompts[first : first + share]
+    first, count = dp_share(len(prompts), dims)
+    own = prompts[first : first + count]
     params = [
         SamplingParams(
             n=group_size,
@@ -104,22 +130,10 @@ def generate_rollout(
         )
         for k in range(len(own))
     ]
-    mine = generate_share(llm, own, params)
-    if dp_size == 1:
-        ids, logps, texts = mine
-    else:
-        import torch.distributed as dist
-
-        gathered: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dp_rank, mine))
-        by_dp: dict[int, tuple] = {}
-        for r, part in gathered:  # type: ignore[misc]
-            by_dp.setdefault(r, part)  # tensor/pipeline peers of a dp rank sampled the same share
-        ids, logps, texts = [], [], []
-        for r in range(dp_size):
-            ids += by_dp[r][0]
-            logps += by_dp[r][1]
-            texts += by_dp[r][2]
+    parts = gather_dp(generate_share(llm, own, params), dims)
+    ids = [row for part in parts for row in part[0]]
+    logps = [row for part in parts for row in part[1]]
+    texts = [row for part in parts for row in part[2]]
     return Rollout(prompts, group_size, ids, logps, texts)
 
 
