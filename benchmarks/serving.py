@@ -9,6 +9,7 @@ prefix caching on requests that share a long prefix.
 
     python benchmarks/serving.py                 # the issue's configuration (several minutes on 2 CPU threads)
     python benchmarks/serving.py --small         # a quick smoke configuration
+    python benchmarks/serving.py --preemption-ablation   # swap vs recompute at block sizes 8/16/32 (~2 minutes)
 """
 
 from __future__ import annotations
@@ -168,6 +169,136 @@ def sharing_savings(llm: LLM, prompts, params: SamplingParams) -> float:
     return statistics.mean(savings)
 
 
+# ---- swap vs recompute (Kwon et al. 2023, §7.3 and Fig. 19) ----
+def run_preemption(model, mode: str, block_size: int, pool_tokens: int, prompts, out_lens) -> dict:
+    """One burst of greedy requests on a KV pool of ``pool_tokens`` slots, too small for them all, preempting by
+    ``mode`` (with ``swap`` a CPU pool as large as the KV pool, the most allowed). Returns throughput, per-request
+    latency (arrival to finish) and what preemption cost: blocks moved and the time in those moves (swap), prompt
+    and output tokens computed again (recompute)."""
+    num_blocks = pool_tokens // block_size
+    llm = LLM(
+        model,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        num_cpu_blocks=num_blocks if mode == "swap" else 0,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+    )
+    llm.generate([[5] * 16] * 2, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    engine, runner = llm.engine, llm.engine.runner
+    moves = {"blocks": 0, "time": 0.0}
+    move_blocks = runner.move_blocks
+
+    def timed_move_blocks(out):
+        t = time.perf_counter()
+        move_blocks(out)
+        moves["time"] += time.perf_counter() - t
+        moves["blocks"] += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+
+    runner.move_blocks = timed_move_blocks
+    preempted0 = engine.scheduler.num_preemptions
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        engine.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    latencies, normalized, computed, generated = [], [], 0, 0
+    t0, c0 = time.perf_counter(), time.process_time()
+    while engine.has_unfinished_requests():
+        for o in engine.step(stream=False):
+            if o.finished:
+                latency = o.metrics["finish_time"] - o.metrics["arrival_time"]
+                latencies.append(latency)
+                normalized.append(latency / len(o.outputs[0].token_ids))
+                generated += len(o.outputs[0].token_ids)
+        if engine.last_step is not None:
+            computed += engine.last_step.num_prefill_tokens
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    llm.close()
+    assert generated == sum(out_lens) and len(latencies) == len(prompts)
+    return dict(
+        wall=wall,
+        cpu=cpu,
+        tok_s=generated / wall,
+        mean=statistics.mean(latencies),
+        p50=statistics.median(latencies),
+        p99=statistics.quantiles(latencies, n=100)[98],
+        norm=statistics.mean(normalized),
+        preemptions=engine.scheduler.num_preemptions - preempted0,
+        moved=moves["blocks"],
+        move_s=moves["time"],
+        recomputed=computed - sum(len(p) for p in prompts),
+    )
+
+
+def preemption_costs(model, block_sizes: list[int], tokens: int = 512, reps: int = 40) -> tuple[float, dict]:
+    """The two mechanisms alone (vLLM's Fig. 19a): prompt tokens/s of a prefill (what a recomputed token costs;
+    16 prompts of 128 tokens, best of 2), and per block size the least and the median time to swap ``tokens``
+    tokens of K/V out and back in (random blocks of a 2048-token pool)."""
+    from spinwheel.engine.scheduler_output import SchedulerOutput
+
+    llm = LLM(model, block_size=16, enable_prefix_caching=False, kv_cache_memory_mb=64)
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(128)] for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts[:2], params)
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        llm.generate(prompts, params)
+        times.append(time.perf_counter() - t)
+    llm.close()
+    swap_ms = {}
+    for bs in block_sizes:
+        nb = 2048 // bs
+        llm = LLM(model, block_size=bs, num_kv_blocks=nb, num_cpu_blocks=nb, preemption_mode="swap")
+        gen, samples = torch.Generator().manual_seed(0), []
+        for _ in range(reps):
+            dev, cpu = (torch.randperm(nb, generator=gen)[: tokens // bs].tolist() for _ in range(2))
+            t = time.perf_counter()
+            llm.engine.runner.move_blocks(SchedulerOutput(blocks_to_swap_out=list(zip(dev, cpu))))
+            llm.engine.runner.move_blocks(SchedulerOutput(blocks_to_swap_in=list(zip(cpu, dev))))
+            samples.append(time.perf_counter() - t)
+        swap_ms[bs] = (1e3 * min(samples), 1e3 * statistics.median(samples))
+        llm.close()
+    return 16 * 128 / min(times), swap_ms
+
+
+def preemption_ablation(args: argparse.Namespace) -> None:
+    """Swap against recompute at several block sizes under memory pressure (vLLM's Fig. 19): the mechanisms alone,
+    then a burst of requests; the configurations take turns for ``--repeats`` rounds, each keeps its fastest."""
+    model = load_model(args.preset, dtype="float32", device="cpu", vocab_size=1024, seed=args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    prompts, out_lens = workload(args.requests, 32, 128, 64, 256, 1024, args.seed)
+    demand = sum(len(p) + n for p, n in zip(prompts, out_lens))
+    print(
+        f"model: preset {args.preset!r}, {num_params / 1e6:.1f}M params, fp32 on CPU, {torch.get_num_threads()} "
+        f"threads\nworkload: {args.requests} greedy requests at once, prompts U[32,128], outputs U[64,256] (ignore "
+        f"EOS), {sum(out_lens)} output tokens, {demand} tokens of K/V at their ends; KV pool {args.pool_tokens} "
+        f"token slots at every block size (swap: a CPU pool as large)"
+    )
+    rate, swap_ms = preemption_costs(model, args.block_sizes)
+    print("\n| block | swap 512 tokens out + in, ms: least / median of 40 | recompute 512 tokens, ms (prefill rate) |")
+    print("|---:|---:|---:|")
+    for bs in args.block_sizes:
+        least, median = swap_ms[bs]
+        print(f"| {bs} | {least:.2f} / {median:.2f} | {512e3 / rate:.1f} ({rate:.0f} tok/s) |")
+    configs = [(mode, bs) for bs in args.block_sizes for mode in ("swap", "recompute")]
+    runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+    for _ in range(args.repeats):
+        for mode, bs in configs:
+            runs[(mode, bs)].append(run_preemption(model, mode, bs, args.pool_tokens, prompts, out_lens))
+    print(
+        "\n| block | mode | wall s (rounds) | CPU s | out tok/s | latency mean / p50 / p99 s | norm. latency "
+        "ms/token | preemptions | blocks swapped out + in | time in swaps s | tokens recomputed (≈ s) |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, bs in configs:
+        b = min(runs[(mode, bs)], key=lambda r: r["wall"])
+        rounds = ", ".join(f"{r['wall']:.2f}" for r in runs[(mode, bs)])
+        print(
+            f"| {bs} | {mode} | {b['wall']:.2f} ({rounds}) | {b['cpu']:.2f} | {b['tok_s']:.0f} | {b['mean']:.2f} / "
+            f"{b['p50']:.2f} / {b['p99']:.2f} | {1e3 * b['norm']:.1f} | {b['preemptions']} | {b['moved']} | "
+            f"{b['move_s']:.3f} | {b['recomputed']} ({b['recomputed'] / rate:.2f}) |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="a quick configuration for a smoke run")
@@ -178,11 +309,22 @@ def main() -> None:
     ap.add_argument("--skip-hf-cb", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="rounds of the throughput comparison (best kept)")
+    ap.add_argument(
+        "--preemption-ablation",
+        action="store_true",
+        help="only swap vs recompute preemption at --block-sizes under memory pressure (vLLM §7.3, Fig. 19)",
+    )
+    ap.add_argument("--preset", default="small", help="--preemption-ablation: model preset (tiny, small)")
+    ap.add_argument("--pool-tokens", type=int, default=2048, help="--preemption-ablation: KV pool size in tokens")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32], help="--preemption-ablation")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     # Random-init activations produce denormal floats that slow x86 kernels several-fold; flushing them applies to
     # every system measured here alike (same process).
     torch.set_flush_denormal(True)
+    if args.preemption_ablation:
+        preemption_ablation(args)
+        return
     if args.small:
         args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab = 128, 256, 2, 4, 2, 1024
         args.requests, lo, hi, olo, ohi, prefix_len = min(args.requests, 16), 8, 64, 8, 64, 64
