@@ -45,7 +45,8 @@ class GenerateConfig:
 
     model: str = option(
         "runs/demo/grpo/checkpoint",
-        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache) or preset",
+        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache), preset, or a "
+        "PEFT adapter directory (its base with the adapter folded in)",
     )
     prompt: list[str] = option(None, help="prompt(s) to complete", default_factory=lambda: ["12+34="])
     chat: bool = option(False, help="send each prompt as a user message through the tokenizer's chat template")
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     from spinwheel import __version__
     from spinwheel.demo import DemoConfig
     from spinwheel.envs import command as envs_command
+    from spinwheel.merge import MergeConfig
     from spinwheel.rl.classic import command as classic_command
     from spinwheel.rl.llm.command import PREF_COMMANDS, add_pref_parser, add_rl_parser, rl_commands
     from spinwheel.server.serve import ServeConfig
@@ -212,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(p, ServeConfig)
     _add_engine_arguments(p)
+    p = sub.add_parser(
+        "merge", help="fold a LoRA adapter into its base: a plain HF checkpoint", description=MergeConfig.__doc__
+    )
+    add_arguments(p, MergeConfig)
     p = sub.add_parser(
         "classic",
         help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
@@ -256,6 +262,10 @@ def _dispatch(ns: argparse.Namespace) -> int:
         from spinwheel.envs import command as envs_command
 
         return envs_command.run(ns)
+    elif ns.command == "merge":
+        from spinwheel.merge import MergeConfig, run_merge
+
+        run_merge(from_args(MergeConfig, ns))
     elif ns.command == "serve":
         from spinwheel.server.serve import ServeConfig, serve
 

@@ -68,6 +68,25 @@ def server_model() -> Transformer:
     return spinwheel.load_model("test", vocab_size=100, seed=5)
 
 
+def random_adapter(base: Transformer, path, seed: int, targets: str, rank: int, base_name: str = "test") -> Transformer:
+    """Save a random LoRA adapter for ``base`` (B drawn, not zero, so it changes the outputs) to ``path`` as a PEFT
+    adapter directory naming ``base_name``; returns ``base`` with it merged in (a copy)."""
+    import copy
+
+    from spinwheel.models.lora import LoRAConfig, apply_lora, lora_parameters, merge
+    from spinwheel.models.lora_io import save_adapter
+
+    model = copy.deepcopy(base)
+    apply_lora(model, LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets, base_model_name_or_path=base_name), seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora_parameters(model).items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    save_adapter(model, path)
+    return merge(model)
+
+
 def engine_spec(model=None, **config) -> EngineSpec:
     """How to start the server tests' engine in its own process (96 blocks of 4 tokens unless ``config`` says)."""
     from spinwheel.server.engine_process import EngineSpec

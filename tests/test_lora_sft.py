@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from spinwheel.models.hf import load_model
 from spinwheel.models.lora import LoRAError, lora_layers, lora_parameters
-from spinwheel.models.lora_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapted_model
+from spinwheel.models.lora_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.metrics import read_metrics
 from spinwheel.train.sft import train_sft
@@ -51,7 +51,7 @@ def test_sft_with_lora_trains_the_adapters_and_writes_a_peft_adapter(tmp_path):
 
     # The adapters moved, the base did not: the adapted model is the preset base (seed 0) plus the adapters.
     base = load_model("test", seed=0)
-    adapted = load_adapted_model(ckpt, seed=0)
+    adapted = load_model(ckpt, seed=0, merge_adapter=False)
     assert all(p.abs().max() > 0 for n, p in lora_parameters(adapted).items() if "lora_B" in n)
     x = torch.randint(3, 100, (2, 9))
     with torch.no_grad():

@@ -13,7 +13,9 @@ and every physical block carries a reference count equal to the number of block 
 
 Prefix caching: a full block is keyed by a hash chained from the previous block's key and its own tokens; lookups
 confirm the stored tokens, so a hash collision can never hand out wrong K/V. A cached block whose reference count
-drops to zero stays in an LRU list, still counted as free, until an allocation evicts it.
+drops to zero stays in an LRU list, still counted as free, until an allocation evicts it. A sequence's chain starts
+from its *namespace* (the LoRA adapter it runs through; None: the base): the same tokens computed through another
+adapter hold other K/V, so they are never shared across namespaces.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BlockManager:
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> device block ids
         self.cpu_block_tables: dict[int, list[int]] = {}  # seq_id -> CPU block ids (swapped out)
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chained keys of its leading full blocks
+        self._roots: dict[int, int | None] = {}  # seq_id -> the key its chain starts from (its namespace's)
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
 
@@ -65,13 +68,14 @@ class BlockManager:
         return self.num_prefix_hit_tokens / max(1, self.num_prefix_queried_tokens)
 
     # ---- allocation of new (or recomputed) sequences ----
-    def _match_prefix(self, token_ids: list[int], use_cache: bool = True) -> list[int]:
-        """Cached device blocks holding the leading full blocks of ``token_ids``. The block holding the last token
-        is never matched: its logits must be computed. ``use_cache=False``: none (a request that wants the logits
-        of every prompt token computes them all; its blocks are still registered for others)."""
+    def _match_prefix(self, token_ids: list[int], use_cache: bool = True, namespace: str | None = None) -> list[int]:
+        """Cached device blocks holding the leading full blocks of ``token_ids`` (computed in ``namespace``). The
+        block holding the last token is never matched: its logits must be computed. ``use_cache=False``: none (a
+        request that wants the logits of every prompt token computes them all; its blocks are still registered for
+        others)."""
         if not self.enable_prefix_caching or not use_cache:
             return []
-        bs, matched, key = self.block_size, [], None
+        bs, matched, key = self.block_size, [], namespace_root(namespace)
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = chain_hash(key, tokens)
@@ -81,8 +85,10 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
-    def can_allocate(self, seqs: list[list[int]], num_shared_tokens: int = 0, use_cache: bool = True) -> AllocStatus:
-        """Whether sequences with these token lists (one group) can get block tables now. With
+    def can_allocate(
+        self, seqs: list[list[int]], num_shared_tokens: int = 0, use_cache: bool = True, namespace: str | None = None
+    ) -> AllocStatus:
+        """Whether sequences with these token lists (one group, in ``namespace``) can get block tables now. With
         ``num_shared_tokens`` (a multiple of the block size) every sequence after the first shares the first one's
         blocks holding those leading tokens (a recomputed group forked again, see :meth:`fork`)."""
         shared = num_shared_tokens // self.block_size
@@ -92,14 +98,15 @@ class BlockManager:
         needed = total
         for tokens in seqs[:1] if shared else seqs:
             # A matched block that nobody holds sits on the free side; reviving it consumes a free block.
-            needed -= sum(1 for b in self._match_prefix(tokens, use_cache) if self.gpu.blocks[b].ref_count > 0)
+            matched = self._match_prefix(tokens, use_cache, namespace)
+            needed -= sum(1 for b in matched if self.gpu.blocks[b].ref_count > 0)
         return AllocStatus.OK if needed <= self.gpu.num_free else AllocStatus.LATER
 
-    def allocate(self, seq_id: int, token_ids: list[int], use_cache: bool = True) -> int:
-        """Give ``seq_id`` a block table for all of ``token_ids``; returns how many leading tokens already have
-        K/V through the prefix cache."""
+    def allocate(self, seq_id: int, token_ids: list[int], use_cache: bool = True, namespace: str | None = None) -> int:
+        """Give ``seq_id`` (computed in ``namespace``) a block table for all of ``token_ids``; returns how many
+        leading tokens already have K/V through the prefix cache."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has blocks"
-        matched = self._match_prefix(token_ids, use_cache)
+        matched = self._match_prefix(token_ids, use_cache, namespace)
         needed = self.num_blocks_for(len(token_ids))
         fresh = needed - len(matched)
         revived = sum(1 for b in matched if self.gpu.blocks[b].ref_count == 0)
@@ -110,6 +117,7 @@ class BlockManager:
         table = matched + [self.gpu.allocate() for _ in range(fresh)]
         self.block_tables[seq_id] = table
         self._hashes[seq_id] = [self.gpu.blocks[b].hash for b in matched]  # type: ignore[misc]
+        self._roots[seq_id] = namespace_root(namespace)
         if self.enable_prefix_caching and use_cache:
             self.num_prefix_queried_tokens += len(token_ids)
             self.num_prefix_hit_tokens += len(matched) * self.block_size
@@ -123,7 +131,7 @@ class BlockManager:
         hashes, table, bs = self._hashes[seq_id], self.block_tables[seq_id], self.block_size
         for i in range(len(hashes), min(num_tokens // bs, len(table))):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = chain_hash(hashes[-1] if hashes else None, tokens)
+            key = chain_hash(hashes[-1] if hashes else self._roots.get(seq_id), tokens)
             self.gpu.register(table[i], key, tokens)
             hashes.append(key)
 
@@ -174,6 +182,7 @@ class BlockManager:
             self.gpu.incref(b)
         self.block_tables[child_id] = list(table)
         self._hashes[child_id] = self._hashes[parent_id][: len(table)]
+        self._roots[child_id] = self._roots.get(parent_id)
 
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id``'s table (device or CPU); blocks nobody else holds return to their pool. Tail blocks are
@@ -185,6 +194,7 @@ class BlockManager:
             for b in reversed(table or []):
                 pool.decref(b)
         self._hashes.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
 
     # ---- swapping (whole groups) ----
     def _distinct(self, tables: dict[int, list[int]], seq_ids: list[int]) -> set[int]:
@@ -256,3 +266,8 @@ class BlockManager:
                 for b in table:
                     refs[b] = refs.get(b, 0) + 1
             pool.check(refs)
+
+
+def namespace_root(namespace: str | None) -> int | None:
+    """The key a prefix chain in ``namespace`` starts from (None for the base model's)."""
+    return None if namespace is None else hash(("lora", namespace))

@@ -40,6 +40,7 @@ from torch import nn
 
 from spinwheel.engine import cpu_kernels
 from spinwheel.engine.attention import PagedAttentionMetadata, paged_attention, write_kv
+from spinwheel.engine.multi_lora import LoRAProjection
 from spinwheel.models.transformer import RMSNorm, Transformer, apply_rope
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def onednn_linear_available() -> bool:
 
 
 def supports(model: Transformer) -> bool:
-    """True for the plain model (no wrapped or sharded projections) in fp32 on a CPU with oneDNN's packed linear."""
+    """True for the plain model (no wrapped or sharded projections but the engine's own multi-LoRA ones) in fp32 on
+    a CPU with oneDNN's packed linear."""
     if model.device.type != "cpu" or model.dtype != torch.float32 or not onednn_linear_available():
         return False
     if type(model.lm_head) is not nn.Linear or type(model.norm) is not RMSNorm:
@@ -100,7 +102,7 @@ def supports(model: Transformer) -> bool:
     for layer in model.layers:
         att, mlp = layer.self_attn, layer.mlp
         linears = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if any(type(m) is not nn.Linear for m in linears):
+        if any(type(m) not in (nn.Linear, LoRAProjection) for m in linears):
             return False
         if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
             return False
@@ -196,6 +198,17 @@ class PackedWeights:
         return n
 
 
+def _add_lora(y: torch.Tensor, x: torch.Tensor, *projections: nn.Module) -> torch.Tensor:
+    """``y`` (N, sum of out) holds the outputs of ``projections`` side by side (a fused GEMM's): add the adapters'
+    updates of those wrapped for multi-LoRA serving to their columns, in place; their input is ``x`` (N, in)."""
+    col = 0
+    for m in projections:
+        if isinstance(m, LoRAProjection) and m.rows.groups:
+            m.add_delta(x, y[:, col : col + m.out_features])
+        col += m.out_features  # type: ignore[operator]
+    return y
+
+
 def _rms_norm(x: torch.Tensor, norm: RMSNorm, fused: bool) -> torch.Tensor:
     if fused:
         return cpu_kernels.rms_norm(x, norm.weight, norm.eps)
@@ -214,7 +227,8 @@ def hidden_states(
 ) -> torch.Tensor:
     """input_ids, positions (N,) -> final normalised hidden states (N, C). New K/V go to the caches at
     ``meta.slot_mapping`` (the runner has checked those slots). ``fused``: use the C kernels of
-    :mod:`spinwheel.engine.cpu_kernels` for RMSNorm, RoPE + K/V writes and silu * up, else PyTorch ops."""
+    :mod:`spinwheel.engine.cpu_kernels` for RMSNorm, RoPE + K/V writes and silu * up, else PyTorch ops. Projections
+    wrapped for multi-LoRA serving add their adapters' updates to the packed GEMMs' outputs."""
     n = input_ids.shape[0]
     x = model.embed_tokens.weight.index_select(0, input_ids)  # (N, C)
     freqs = positions.float()[:, None] * model.rotary.inv_freq.float()  # (N, D/2)
@@ -223,7 +237,8 @@ def hidden_states(
         att = layer.self_attn
         d = att.head_dim
         h_dim, g_dim = att.q_proj.out_features, att.k_proj.out_features
-        qkv = qkv_p(_rms_norm(x, layer.input_layernorm, fused))  # (N, (H + 2G) * D)
+        h = _rms_norm(x, layer.input_layernorm, fused)
+        qkv = _add_lora(qkv_p(h), h, att.q_proj, att.k_proj, att.v_proj)  # (N, (H + 2G) * D)
         if fused and att.q_norm is None:
             q, k, v = cpu_kernels.rope_qkv(
                 qkv, h_dim // d, g_dim // d, cos, sin, k_caches[i], v_caches[i], meta.slot_mapping
@@ -236,12 +251,13 @@ def hidden_states(
             q, k = apply_rope(q, full_cos, full_sin), apply_rope(k, full_cos, full_sin)
             write_kv(k_caches[i], v_caches[i], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_caches[i], v_caches[i], meta, kv_written=True)  # (N, H, D)
-        x = o_p.add_to(out.view(n, -1), x)
-        gate_up = gate_up_p(_rms_norm(x, layer.post_attention_layernorm, fused))  # (N, 2I)
+        x = _add_lora(o_p.add_to(out.view(n, -1), x), out.view(n, -1), att.o_proj)
+        h = _rms_norm(x, layer.post_attention_layernorm, fused)
+        gate_up = _add_lora(gate_up_p(h), h, layer.mlp.gate_proj, layer.mlp.up_proj)  # (N, 2I)
         if fused:
             act = cpu_kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=1)
             act = F.silu(gate) * up
-        x = down_p.add_to(act, x)
+        x = _add_lora(down_p.add_to(act, x), act, layer.mlp.down_proj)
     return _rms_norm(x, model.norm, fused)

@@ -102,6 +102,11 @@ class LLM:
         )
         return self.generate(prompts, params)
 
+    def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Serve the PEFT adapter in ``path`` as ``name``: requests with ``SamplingParams(lora=name)`` run through it,
+        unmerged, in the same batches as the base's and other adapters' (:mod:`~spinwheel.engine.multi_lora`)."""
+        self.engine.loras.add(name, path)
+
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
         """New weights from the trainer (in process); invalidates the prefix cache."""
         self.engine.update_weights(model_or_state_dict)

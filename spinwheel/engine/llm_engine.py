@@ -62,6 +62,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.runner = ModelRunner(model, config, self.max_model_len)
+        self.loras = self.runner.loras  # LoRA adapters served by name, unmerged: loras.add(name, adapter_dir)
         pool_tokens = self.runner.num_blocks * config.block_size
         if config.max_model_len is None and self.max_model_len > pool_tokens:  # a context no request could use
             logger.warning(
@@ -126,6 +127,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request (text or token ids). One that can never fit finishes with an error on the next step."""
         params = params or SamplingParams()
+        self.loras.slot(params.lora)  # an adapter the engine does not serve is a ValueError
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):

@@ -21,6 +21,7 @@ from spinwheel.engine import cpu_forward
 from spinwheel.engine.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.cpu_kernels import check_decode_tables, load_kernels
+from spinwheel.engine.multi_lora import AdapterRegistry
 from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.models.transformer import Transformer
 
@@ -39,6 +40,7 @@ class StepInputs:
     picks: list[int]  # rows of the batch whose logits are needed, in output order
     sample_rows: dict[int, int]  # seq_id -> index into picks of its next-token row
     prompt_rows: dict[int, tuple[int, int]]  # seq_id -> [start, end) into picks of its prompt-logprob rows
+    lora_slots: list[int] | None = None  # the adapter slot of every row (None: no adapters registered)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class ModelRunner:
             self.num_cpu_blocks * block_bytes / 2**20,
         )
         self.packed: cpu_forward.PackedWeights | None = None
+        self.loras = AdapterRegistry(model)  # LoRA adapters served by name over the base (multi_lora)
         self.install()
         # on CPU: oneDNN-packed weights and fused element-wise kernels (see cpu_forward), its caches bounded first
         if config.cpu_packed_weights and device.type == "cpu":
@@ -231,6 +234,11 @@ class ModelRunner:
                 sample_rows[s.seq.seq_id] = len(picks)
                 picks.append(row + n - 1)
             row += n
+        lora_slots = None
+        if self.loras.slots:  # each row through its request's adapter (S-LoRA / Punica: mixed in one batch)
+            lora_slots = [
+                self.loras.slot(s.group.params.lora) for s in decodes + prefills for _ in range(s.num_new_tokens)
+            ]
         return StepInputs(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -238,6 +246,7 @@ class ModelRunner:
             picks,
             sample_rows,
             prompt_rows,
+            lora_slots,
         )
 
     def _decode_metadata(
@@ -264,22 +273,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over the flat batch -> hidden states (N, C) before the LM head."""
-        if self.packed is not None:
-            self.packed.refresh()  # a trainer sharing the model may have changed weights in place
-            return cpu_forward.hidden_states(
-                self.model,
-                self.packed,
-                inputs.input_ids,
-                inputs.positions,
-                inputs.meta,
-                self.k_caches,
-                self.v_caches,
-                self.fused_decode,
-            )
-        return self.model(
-            inputs.input_ids[None], positions=inputs.positions[None], attn_metadata=inputs.meta, return_hidden=True
-        )[0]
+        """The model over the flat batch -> hidden states (N, C) before the LM head; each row through its adapter."""
+        with self.loras.active(inputs.lora_slots, self.model.device):
+            if self.packed is not None:
+                self.packed.refresh()  # a trainer sharing the model may have changed weights in place
+                return cpu_forward.hidden_states(
+                    self.model,
+                    self.packed,
+                    inputs.input_ids,
+                    inputs.positions,
+                    inputs.meta,
+                    self.k_caches,
+                    self.v_caches,
+                    self.fused_decode,
+                )
+            return self.model(
+                inputs.input_ids[None], positions=inputs.positions[None], attn_metadata=inputs.meta, return_hidden=True
+            )[0]
 
     @torch.inference_mode()
     def select_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> StepLogits:

@@ -33,7 +33,8 @@ class SamplingParams:
     not the logits it needs); what it computes is cached for others. ``logit_bias`` maps a token id to a value in
     [-100, 100] added to its logit before sampling (OpenAI's field): +100 all but forces the token, -100 all but
     bans it. Beam search ranks hypotheses by the raw log-probs, so it takes none of the logits processors
-    (penalties, bias, truncation).
+    (penalties, bias, truncation). ``lora`` names a LoRA adapter the engine serves (``LLMEngine.add_lora``, ``spinwheel
+    serve --lora``): the request runs through it, unmerged, beside requests of other adapters in the same batch.
     """
 
     n: int = 1
@@ -59,6 +60,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # HF semantics: True, False (heuristic) or "never"
     skip_special_tokens: bool = True
+    lora: str | None = None  # the adapter the request runs through (registered with the engine by name); None: base
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +118,11 @@ class SamplingParams:
                 f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
             )
             _check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        _check(
+            self.lora is None or (isinstance(self.lora, str) and self.lora != ""),
+            "lora",
+            f"lora must be an adapter's name or None, got {self.lora!r}",
+        )
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:

@@ -175,7 +175,7 @@ class Scheduler(SamplingForks):
                 break
             shared = self._shared_prefix(seqs)
             cached = group.params.prompt_logprobs is None or group.forked  # scoring a prompt computes all of it
-            status = bm.can_allocate([s.token_ids for s in seqs], shared, cached)
+            status = bm.can_allocate([s.token_ids for s in seqs], shared, cached, group.params.lora)
             if status == AllocStatus.NEVER:  # cannot happen to a request _never_fits let in: fail it, never stall
                 self.waiting.popleft()
                 group.error = (
@@ -228,14 +228,14 @@ class Scheduler(SamplingForks):
         there its K/V are written before any attention reads them."""
         bm = self.block_manager
         leader = seqs[0]
-        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids, cached)
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids, cached, group.params.lora)
         for s in seqs[1:]:
             if shared:
                 bm.fork(leader.seq_id, s.seq_id, shared)
                 bm.append_slots(s.seq_id, shared, s.num_tokens)  # fresh blocks only: nothing shared is written
                 s.num_computed_tokens = shared
             else:
-                s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids)
+                s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids, namespace=group.params.lora)
         group.shared_prefill = (leader, shared) if shared else None
         for s in seqs:
             s.status = SequenceStatus.RUNNING

@@ -26,12 +26,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spinwheel.models.config import ConfigError, ModelConfig
+from spinwheel.models.hf_format import apply_umask, hf_key, our_name
+from spinwheel.models.lora import LoRAError, merge
+from spinwheel.models.lora_io import ADAPTER_CONFIG, adapter_base, is_adapter_dir, load_adapter
 from spinwheel.models.transformer import Transformer, rope_inv_freq
 
 if TYPE_CHECKING:
     from spinwheel.models.tokenizer import Tokenizer
 
-_HF_PREFIX = "model."
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -53,17 +55,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype '{dtype}': use one of {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-_SCORE = "score."  # the output layer of HF's *ForSequenceClassification
-
-
-def hf_key(name: str, scalar_head: bool = False) -> str:
-    """spinwheel parameter name -> HF name (``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``; the output
-    layer is ``lm_head.weight``, or ``score.weight`` for a scalar head)."""
-    if name.startswith("lm_head."):
-        return _SCORE + name[len("lm_head.") :] if scalar_head else name
-    return _HF_PREFIX + name
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
@@ -103,21 +94,13 @@ def _weight_files(path: Path) -> list[Path]:
     return found
 
 
-def _our_name(key: str) -> str:
-    """HF tensor name -> spinwheel's (inverse of :func:`hf_key`)."""
-    name = key[len(_HF_PREFIX) :] if key.startswith(_HF_PREFIX) else key
-    if name.startswith(_SCORE):  # a sequence classifier's head is our output layer
-        name = "lm_head." + name[len(_SCORE) :]
-    return name
-
-
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, under spinwheel's names."""
     out: dict[str, torch.Tensor] = {}
     for f in _weight_files(Path(path)):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                out[_our_name(key)] = sf.get_tensor(key)
+                out[our_name(key)] = sf.get_tensor(key)
     return out
 
 
@@ -127,7 +110,7 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     for f in _weight_files(Path(path)):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                out[_our_name(key)] = tuple(sf.get_slice(key).get_shape())
+                out[our_name(key)] = tuple(sf.get_slice(key).get_shape())
     return out
 
 
@@ -177,10 +160,13 @@ def load_model(
     device: str | torch.device | None = None,
     seed: int = 0,
     vocab_size: int | None = None,
+    merge_adapter: bool = True,
 ) -> Transformer:
     """Load a checkpoint directory or a Hugging Face Hub id (through the local HF cache, see
     :mod:`~spinwheel.models.hub`), or build a built-in preset (``tiny``, ``small``, ``test``) with random weights.
 
+    A PEFT adapter directory (``adapter_config.json``) loads the base it names with the adapter folded in: the model
+    the adapter run produced (see :func:`load_adapted`; ``merge_adapter=False`` keeps it as LoRA layers).
     ``dtype`` defaults to the checkpoint's ``torch_dtype``; presets use ``vocab_size`` (default: the built-in char
     tokenizer's) and ``seed``.
     """
@@ -189,6 +175,8 @@ def load_model(
 
     path_or_preset = resolve_model_path(path_or_preset)
     path = Path(path_or_preset)
+    if is_adapter_dir(path):
+        return load_adapted(path, merge_adapter, dtype=dtype, device=device, seed=seed, vocab_size=vocab_size)
     if str(path_or_preset) in PRESETS and not path.exists():
         if vocab_size is None:
             from spinwheel.models.tokenizer import Tokenizer
@@ -212,24 +200,32 @@ def load_model(
     return model.to(dtype=target)
 
 
-def current_umask() -> int:
-    """The process umask, read from ``/proc`` where it can be (``os.umask`` can only read it by setting it)."""
+def load_adapted(path: str | os.PathLike, merge_adapter: bool = True, **load: Any) -> Transformer:
+    """The base a PEFT adapter directory names (``base_model_name_or_path``, see
+    :func:`~spinwheel.models.lora_io.adapter_base`) with the adapter on it: folded into the weights (``merge_adapter``)
+    or as LoRA layers on the frozen base. A base that is itself an adapter directory (a LoRA run started from an
+    adapter) is loaded merged first, down the chain. ``load`` goes to :func:`load_model` for the plain base; a base
+    that cannot be loaded is a one-line :class:`CheckpointError` naming the adapter and the base."""
+    from spinwheel.models.hub import HubModelError
+
+    chain = [Path(path)]
+    base = adapter_base(path)
+    while is_adapter_dir(base):
+        if any(Path(base).resolve() == p.resolve() for p in chain):
+            raise LoRAError(f"{chain[-1] / ADAPTER_CONFIG}: its base_model_name_or_path '{base}' leads back to itself")
+        chain.append(Path(base))
+        base = adapter_base(base)
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(path: str | os.PathLike) -> None:
-    """Give ``path`` the mode a plain ``open``/``mkdir`` would have (0666 / 0777 less the umask): temporary
-    directories and safetensors files start private."""
-    base = 0o777 if Path(path).is_dir() else 0o666
-    os.chmod(path, base & ~current_umask())
+        model = load_model(base, **load)
+    except (CheckpointError, HubModelError) as e:
+        raise CheckpointError(
+            f"{chain[-1] / ADAPTER_CONFIG}: its base model '{base}' (base_model_name_or_path) cannot be loaded: {e}"
+        ) from None
+    for i, adapter in enumerate(reversed(chain)):
+        load_adapter(model, adapter)
+        if merge_adapter or i < len(chain) - 1:
+            merge(model)
+    return model
 
 
 def special_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> dict[str, Any]:

@@ -10,9 +10,12 @@ What ``peft`` writes for a Llama-family model, and what :func:`save_adapter` wri
   spinwheel adds the base's shape-defining config keys to the file's metadata (which ``peft`` ignores), so an
   adapter loaded onto another base fails on the config even where the shapes happen to agree.
 
-:func:`load_adapter` reads such a directory (from spinwheel or from ``peft``) onto a model. Options spinwheel does
-not implement (DoRA, biases, ``modules_to_save``, per-layer ranks, a subset of layers, ...) are refused in one line,
-as is an adapter whose tensors or base config do not fit the model; the check runs before the model is changed.
+:func:`load_adapter` reads such a directory (from spinwheel or from ``peft``) onto a model, :func:`read_adapter` only
+reads its factors (the engine serves them without wrapping the model, :mod:`~spinwheel.engine.multi_lora`). Options
+spinwheel does not implement (DoRA, biases, ``modules_to_save``, per-layer ranks, a subset of layers, ...) are
+refused in one line, as is an adapter whose tensors or base config do not fit the model; the check runs before the
+model is changed. ``--model ADAPTER_DIR`` loads the base :func:`adapter_base` names with the adapter folded in
+(:func:`spinwheel.models.hf.load_model`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from spinwheel.models.hf import apply_umask, hf_key, load_model
+from spinwheel.models.hf_format import apply_umask, hf_key, our_name
 from spinwheel.models.lora import TARGETS, LoRAConfig, LoRAError, apply_lora, lora_layers, lora_parameters
 from spinwheel.models.transformer import Transformer
 
@@ -201,15 +204,13 @@ def _check_fits(model: Transformer, sf: Any, expected: dict[str, tuple[int, ...]
             )
 
 
-def load_adapter(model: Transformer, path: str | os.PathLike) -> LoRAConfig:
-    """Put the adapter saved in ``path`` (spinwheel's or ``peft``'s) on ``model``, in place, and return its config.
+def read_adapter(model: Transformer, path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """The adapter saved in ``path`` (spinwheel's or ``peft``'s) for ``model``: its config and its factors under
+    spinwheel's names (``layers.0.self_attn.q_proj.lora_A.weight``), nothing changed on the model.
 
-    Every tensor name and shape (and, for spinwheel's files, the base config) is checked against the model before
-    anything changes; a mismatch is a :class:`LoRAError` naming the tensor or key and the base to load instead."""
+    Every tensor name and shape (and, for spinwheel's files, the base config) is checked against the model first; a
+    mismatch is a :class:`LoRAError` naming the tensor or key and the base to load instead."""
     config = read_adapter_config(path)
-    base = config.base_model_name_or_path
-    if lora_layers(model):
-        raise LoRAError("the model already has LoRA adapters: load the adapter onto the plain base model")
     where = Path(path) / ADAPTER_WEIGHTS
     if not where.is_file():
         other = (
@@ -220,23 +221,29 @@ def load_adapter(model: Transformer, path: str | os.PathLike) -> LoRAConfig:
         raise LoRAError(f"{where}: no adapter_model.safetensors in the adapter directory{other}")
     expected = _expected_shapes(model, config)
     with safe_open(str(where), framework="pt") as sf:
-        _check_fits(model, sf, expected, where, base or "")
-        tensors = {key: sf.get_tensor(key) for key in expected}
+        _check_fits(model, sf, expected, where, config.base_model_name_or_path or "")
+        tensors = {our_name(key[len(PEFT_PREFIX) :]): sf.get_tensor(key) for key in expected}
+    return config, tensors
+
+
+def load_adapter(model: Transformer, path: str | os.PathLike) -> LoRAConfig:
+    """Put the adapter saved in ``path`` (spinwheel's or ``peft``'s) on ``model``, in place, and return its config;
+    checked as :func:`read_adapter` checks it, before anything changes."""
+    if lora_layers(model):
+        raise LoRAError("the model already has LoRA adapters: load the adapter onto the plain base model")
+    config, tensors = read_adapter(model, path)
     apply_lora(model, config, seed=0)  # a seeded draw leaves the global RNG (a resumed run's) untouched
-    params = lora_parameters(model)
     with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(tensors[PEFT_PREFIX + hf_key(name)])
+        for name, p in lora_parameters(model).items():
+            p.copy_(tensors[name])
     return config
 
 
-def load_adapted_model(path: str | os.PathLike, **load_kwargs: Any) -> Transformer:
-    """The base an adapter directory names (``base_model_name_or_path``; a relative path is tried as given, then
-    beside the adapter) with the adapter on it. ``load_kwargs`` go to :func:`~spinwheel.models.hf.load_model`."""
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base an adapter directory names (``base_model_name_or_path``): a path as given (relative to the working
+    directory), else beside the adapter when it is a directory there; a preset or Hub id as it is."""
     base = read_adapter_config(path).base_model_name_or_path
     if not base:
         raise LoRAError(f"{Path(path) / ADAPTER_CONFIG}: base_model_name_or_path is empty: pass the base model too")
     beside = Path(path) / base
-    model = load_model(beside if not Path(base).exists() and beside.is_dir() else base, **load_kwargs)
-    load_adapter(model, path)
-    return model
+    return str(beside) if not Path(base).exists() and beside.is_dir() else base

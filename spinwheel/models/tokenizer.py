@@ -180,10 +180,16 @@ class Tokenizer:
 
 def load_tokenizer(path_or_preset: str | os.PathLike) -> Tokenizer:
     """A checkpoint directory's (or Hub id's, see :mod:`~spinwheel.models.hub`) tokenizer, or the built-in char
-    tokenizer for presets / directories without one."""
+    tokenizer for presets / directories without one. A PEFT adapter directory without a tokenizer of its own has its
+    base's."""
     from spinwheel.models.hub import resolve_model_path
+    from spinwheel.models.lora_io import adapter_base, is_adapter_dir
 
     path = Path(resolve_model_path(path_or_preset))
+    for _ in range(16):  # down a chain of adapters (bounded: one that loops back is the model loader's error)
+        if not is_adapter_dir(path) or (path / "tokenizer.json").is_file():
+            break
+        path = Path(resolve_model_path(adapter_base(path)))
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return Tokenizer.from_pretrained(path)
     return Tokenizer.char_level()

@@ -80,10 +80,12 @@ class OpenAIServer:
         if isinstance(engine, EngineProcess):
             engine.on_step = self.metrics.observe_step
             self.async_engine = engine
-            vocab_size = engine.vocab_size
+            vocab_size, loras = engine.vocab_size, engine.lora_names
         else:
             self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
-            vocab_size = engine.model.config.vocab_size
+            vocab_size, loras = engine.model.config.vocab_size, tuple(engine.loras.names)
+        if served_model_name in loras:
+            raise ValueError(f"a LoRA adapter is named '{served_model_name}' like the served model: rename one")
         self.guard = ConnectionGuard(
             limits.max_connections,
             limits.header_timeout_s,
@@ -100,6 +102,7 @@ class OpenAIServer:
             engine.max_model_len,
             limits.max_sequences_per_request,
             limits.max_logprobs_per_request,
+            loras,
         )
         count = self.metrics.count_error
         renderer = ChatRenderer(self.tokenizer, special_tokens_in_content)
@@ -169,18 +172,11 @@ class OpenAIServer:
 
         @app.get("/v1/models", dependencies=authorized)
         async def models() -> dict:
-            return {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "spinwheel",
-                        "max_model_len": self.engine.max_model_len,
-                    }
-                ],
-            }
+            """The base model, then each LoRA adapter with the base as its ``parent`` (as vLLM lists them)."""
+            card = {"object": "model", "created": self.created, "owned_by": "spinwheel"}
+            card["max_model_len"] = self.engine.max_model_len
+            adapters = [{"id": name, **card, "parent": self.model_name} for name in self.served.loras]
+            return {"object": "list", "data": [{"id": self.model_name, **card}, *adapters]}
 
         @app.post("/v1/completions", dependencies=authorized)
         async def completions(body: CompletionRequest, request: Request) -> Response:

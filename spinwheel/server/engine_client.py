@@ -207,6 +207,10 @@ class EngineProcess(StreamingEngine):
     def max_model_len(self) -> int:
         return self.info.max_model_len
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return self.info.loras
+
     def stats(self) -> EngineStats:
         """The engine's stats after its latest step."""
         return self._snapshot.stats

@@ -30,7 +30,7 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -55,6 +55,7 @@ class EngineSpec:
     num_threads: int | None = None  # torch threads of the engine process (None: torch's default)
     warmup: bool = False  # run spinwheel.engine.warmup's full-budget step before saying ready
     decode_step_ms: float | None = None  # with warmup: fit the budget of a step that decodes (prepare_for_serving)
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters to serve by name: name -> adapter directory
 
     def load_tokenizer(self) -> Tokenizer:
         from spinwheel.models import load_tokenizer
@@ -67,11 +68,13 @@ class EngineSpec:
 
     def build(self) -> LLMEngine:
         """The engine, whose output processor decodes nothing: the API process does (text prompts are still
-        tokenized by ``add_request``, and EOS comes from the tokenizer)."""
+        tokenized by ``add_request``, and EOS comes from the tokenizer), serving ``loras``."""
         if isinstance(self.model, Transformer):
             engine = LLMEngine(self.model, self.load_tokenizer(), self.config)
         else:
             engine = LLMEngine.from_pretrained(self.model, self.config, self.load_tokenizer())
+        for name, path in self.loras.items():
+            engine.loras.add(name, path)
         engine.output_processor.tokenizer = None
         return engine
 
@@ -84,6 +87,7 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     stats: EngineStats
+    loras: tuple[str, ...] = ()  # the LoRA adapters it serves, by name
 
 
 @dataclass
@@ -251,7 +255,9 @@ def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the server, which says why it cannot start
         conn.send_bytes(dumps(("start_failed", f"{type(e).__name__}: {e}")))
         return
-    info = EngineInfo(os.getpid(), engine.model.config.vocab_size, engine.max_model_len, engine.stats())
+    info = EngineInfo(
+        os.getpid(), engine.model.config.vocab_size, engine.max_model_len, engine.stats(), tuple(engine.loras.names)
+    )
     conn.send_bytes(dumps(("ready", info)))
     core = EngineCore(engine, conn)
     try:

@@ -32,16 +32,22 @@ class ServedModel:
     max_model_len: int
     max_sequences_per_request: int = 1024
     max_logprobs_per_request: int = 1_000_000
+    loras: tuple[str, ...] = ()  # LoRA adapters served beside the base (``serve --lora NAME=DIR``), by name
 
-    def check_name(self, model: str) -> None:
-        if model != self.name:
-            raise APIError(
-                404,
-                f"the model '{model}' does not exist; this server serves '{self.name}'",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+    def check_name(self, model: str) -> str | None:
+        """The LoRA adapter the request's ``model`` picks (None: the base model); a 404 for a name not served."""
+        if model == self.name:
+            return None
+        if model in self.loras:
+            return model
+        adapters = " and the LoRA adapters " + ", ".join(f"'{n}'" for n in self.loras) if self.loras else ""
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{self.name}'{adapters}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """Checked before anything is tokenized, so that an oversized batch costs the server nothing."""
@@ -153,6 +159,7 @@ class ServedModel:
                 use_beam_search=body.use_beam_search,
                 length_penalty=body.length_penalty,
                 early_stopping=body.early_stopping,
+                lora=self.check_name(body.model),
             )
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=(field_names or {}).get(e.param, e.param)) from None

@@ -19,6 +19,7 @@ from typing import Literal
 from spinwheel.config import check_ranges, option
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.engine.warmup import prepare_for_serving
+from spinwheel.models.lora_io import read_adapter_config
 from spinwheel.server.app import OpenAIServer
 from spinwheel.server.engine_client import EngineProcess
 from spinwheel.server.engine_process import EngineSpec
@@ -34,7 +35,8 @@ class ServeConfig(ServerLimits):
 
     model: str = option(
         "runs/demo/grpo/checkpoint",
-        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache) or preset",
+        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache), preset, or a "
+        "PEFT adapter directory (its base with the adapter folded in)",
     )
     host: str = option("127.0.0.1", help="address to bind (loopback unless told otherwise)")
     port: int = option(8000, help="TCP port")
@@ -45,6 +47,13 @@ class ServeConfig(ServerLimits):
     )
     served_model_name: str | None = option(
         None, help="model id clients send (default: the --model directory's name, or the preset name)"
+    )
+    lora: list[str] = option(
+        None,
+        help="LoRA adapters served beside the model, unmerged and mixed in one batch: NAME=DIR (or DIR, named after "
+        "its directory), PEFT adapter directories trained on --model; a request's model field NAME picks one "
+        "(vLLM's --lora-modules)",
+        default_factory=list,
     )
     max_body_mb: float = option(1.0, help="largest accepted request body, MiB (larger: HTTP 413)")
     log_level: str = option("info", help="uvicorn log level")
@@ -95,16 +104,34 @@ class ServeConfig(ServerLimits):
         check_ranges(self, positive=("max_body_mb",), non_negative=("decode_step_ms", "num_threads", "engine_restarts"))
         resolve_http(self.http)  # ValueError now, not after the engine has loaded
         resolve_loop(self.loop)
+        self.loras()
+
+    def loras(self) -> dict[str, str]:
+        """``--lora`` as name -> adapter directory; a bad entry, a repeated name or a directory that is no adapter
+        spinwheel can serve is a one-line ValueError (before the model loads)."""
+        out: dict[str, str] = {}
+        for entry in self.lora:
+            name, _, path = entry.partition("=") if "=" in entry else (_dir_name(entry), "", entry)
+            if not name or not path:
+                raise ValueError(f"--lora {entry!r}: give NAME=DIR (a name and a PEFT adapter directory)")
+            if name in out or name == model_name(self):
+                raise ValueError(f"--lora: the name '{name}' is taken (by another adapter or the served model)")
+            read_adapter_config(path)  # LoRAError (a ValueError) naming the file and what is wrong
+            out[name] = path
+        return out
 
     def limits(self) -> ServerLimits:
         return ServerLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerLimits)})
 
 
 def model_name(config: ServeConfig) -> str:
-    if config.served_model_name:
-        return config.served_model_name
-    path = Path(config.model)
-    return (path.parent.name if path.name == "checkpoint" else path.name) or str(config.model)
+    return config.served_model_name or _dir_name(config.model)
+
+
+def _dir_name(path: str) -> str:
+    """A model's name from its directory: ``runs/demo/grpo/checkpoint`` -> ``grpo``, ``runs/x`` -> ``x``."""
+    p = Path(path)
+    return (p.parent.name if p.name == "checkpoint" else p.name) or str(path)
 
 
 SERVING_TOKENS_WITH_DECODES = 768
@@ -139,7 +166,14 @@ def build_server(
     engine: LLMEngine | EngineProcess
     if config.engine_process:
         threads = config.num_threads or None
-        spec = EngineSpec(config.model, engine_config, num_threads=threads, warmup=config.warmup, decode_step_ms=fit_ms)
+        spec = EngineSpec(
+            config.model,
+            engine_config,
+            num_threads=threads,
+            warmup=config.warmup,
+            decode_step_ms=fit_ms,
+            loras=config.loras(),
+        )
         engine = EngineProcess(spec, config.engine_restarts, on_engine_exit)
     else:
         if config.num_threads:  # the engine's thread, started later, takes this count
@@ -147,6 +181,8 @@ def build_server(
 
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine.from_pretrained(config.model, engine_config)
+        for name, path in config.loras().items():
+            engine.loras.add(name, path)
         if config.warmup:
             print(f"spinwheel serve: {prepare_for_serving(engine, fit_ms)}", flush=True)
     max_body = int(config.max_body_mb * (1 << 20))
@@ -177,8 +213,9 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
         raise SystemExit(f"spinwheel serve: error: {e}") from None
     s = server.engine.stats()
     where = f"process pid {server.engine.pid}" if isinstance(server.engine, EngineProcess) else "in-process"
+    adapters = "".join(f", LoRA adapter '{n}' from {p}" for n, p in config.loras().items())
     print(
-        f"spinwheel serve: '{server.model_name}' from {config.model}; KV cache {s.num_blocks} blocks of "
+        f"spinwheel serve: '{server.model_name}' from {config.model}{adapters}; KV cache {s.num_blocks} blocks of "
         f"{server.engine.config.block_size} tokens; max_model_len {server.engine.max_model_len}; engine {where}; "
         f"HTTP {resolve_http(config.http)} on {resolve_loop(config.loop)}; http://{config.host}:{config.port}/v1",
         flush=True,

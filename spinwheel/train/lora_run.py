@@ -4,7 +4,11 @@ from, its reference policy and what a weight sync moves.
 * **The model.** The base is always ``--model``; a new run puts fresh adapters on it (:func:`~spinwheel.models.lora.
   apply_lora`, seeded by ``--seed``), a resumed run the checkpoint's (a PEFT adapter directory; a reward model's
   adapters and score head travel in its trainer state, see :func:`lora_head_state`). The base is frozen, so the
-  learner's AdamW holds state for the adapters alone.
+  learner's AdamW holds state for the adapters alone. ``--model`` may be a PEFT adapter directory (an SFT run's
+  LoRA checkpoint): the base it names is loaded with that adapter folded in (:func:`~spinwheel.models.hf.load_model`),
+  and a LoRA run trains new adapters on that merged model, whose files name the adapter directory as their base —
+  TRL's recommended way from an SFT adapter to DPO or RL, and the one where "adapters off" (the reference) is the
+  SFT model the run started from. Without ``--lora-rank`` the merged model is trained whole.
 * **The reference.** DPO and RL with β > 0 compare the policy with the model it started from. Under LoRA that is
   the base with the adapters switched off (:func:`~spinwheel.models.lora.adapters_disabled`): :class:`AdaptersOff`
   runs the policy learner's own forward that way, so no second copy of the model is loaded.

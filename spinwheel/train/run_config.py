@@ -23,8 +23,10 @@ class RunConfig:
 
     model: str = option(
         "runs/sft/checkpoint",
-        help="model to start from: built-in preset (tiny, small, test), HF checkpoint directory or Hugging Face "
-        "Hub id (owner/name, through the local HF cache)",
+        help="model to start from: built-in preset (tiny, small, test), HF checkpoint directory, Hugging Face "
+        "Hub id (owner/name, through the local HF cache), or a PEFT adapter directory: the base it names with the "
+        "adapter folded in (with --lora-rank, new adapters train on that merged model, as TRL does from an SFT "
+        "adapter)",
         group="model and data",
     )
     data: str | None = option(None, help="JSONL file; default: the built-in arithmetic task", group="model and data")
