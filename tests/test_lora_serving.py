@@ -54,8 +54,10 @@ def test_serve_lists_the_adapters_and_routes_by_model_name(adapters):
             body = {"model": name, "prompt": PROMPTS, "max_tokens": 8, "temperature": 0}
             got = httpx.post(bs.url + "/v1/completions", json=body, timeout=60).json()
             assert [c["text"] for c in got["choices"]] == greedy(model), name
+            assert got["model"] == name  # the response names the adapter it was served by, as vLLM's does
         chat = {"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        assert httpx.post(bs.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        answer = httpx.post(bs.url + "/v1/chat/completions", json=chat, timeout=60)
+        assert answer.status_code == 200 and answer.json()["model"] == "b"
         r = httpx.post(bs.url + "/v1/completions", json={**body, "model": "c"}, timeout=60)
         assert r.status_code == 404
         error = r.json()["error"]

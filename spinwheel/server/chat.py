@@ -95,7 +95,7 @@ class ChatCompletions(generation.Endpoint):
                 "id": req.rid,
                 "object": "chat.completion",
                 "created": req.created,
-                "model": self.model.name,
+                "model": req.params.lora or self.model.name,
                 "choices": choices,
                 "usage": generation.usage([req.ids], [out]),
             }
@@ -134,7 +134,7 @@ class ChatCompletions(generation.Endpoint):
             generation.run(self.engine, req.rid, [req.ids], req.params),
             req.params.stop,
             lambda d: self._render_delta(req, d),
-            chunk_envelope(req.rid, "chat.completion.chunk", req.created, self.model.name),
+            chunk_envelope(req.rid, "chat.completion.chunk", req.created, req.params.lora or self.model.name),
             len(req.ids) if include_usage else None,
             self.on_error,
         )

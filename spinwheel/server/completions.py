@@ -133,7 +133,7 @@ class Completions(generation.Endpoint):
                 "id": req.rid,
                 "object": "text_completion",
                 "created": req.created,
-                "model": self.model.name,
+                "model": req.params.lora or self.model.name,
                 "choices": choices,
                 "usage": generation.usage(req.prompts, outs),
             }
@@ -161,7 +161,7 @@ class Completions(generation.Endpoint):
             outputs(),
             req.params.stop,
             render,
-            chunk_envelope(req.rid, "text_completion", req.created, self.model.name),
+            chunk_envelope(req.rid, "text_completion", req.created, req.params.lora or self.model.name),
             sum(len(p) for p in req.prompts) if include_usage else None,
             self.on_error,
         )
