@@ -25,6 +25,18 @@ class ConfigError(ValueError):
     """A model config that spinwheel cannot build; the message names the key and what was expected."""
 
 
+# The config keys that fix the shapes of the weights.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
 @dataclass
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer (Llama-family layout)."""
@@ -63,16 +75,7 @@ class ModelConfig:
                     f"({self.num_attention_heads}), or set head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        for key in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for key in (*SHAPE_FIELDS, "max_position_embeddings"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"config key '{key}' must be a positive integer, got {value!r}")

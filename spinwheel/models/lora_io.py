@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from spinwheel.models.config import SHAPE_FIELDS
 from spinwheel.models.hf_format import apply_umask, hf_key, our_name
 from spinwheel.models.lora import TARGETS, LoRAConfig, LoRAError, apply_lora, lora_layers, lora_parameters
 from spinwheel.models.transformer import Transformer
@@ -38,16 +39,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _BASE_META = "spinwheel.base_config"
 # The config keys that fix the shapes an adapter is trained on (and the family it runs in).
-BASE_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
+BASE_FIELDS = ("model_type", *SHAPE_FIELDS)
 # PEFT options that change what the adapter computes or holds; spinwheel implements none, so each must be off.
 _UNSUPPORTED = {
     "use_dora": "DoRA",

@@ -142,19 +142,6 @@ def reset_call(env: Env, seed: int, tokenizer: Tokenizer, max_chars: int) -> tup
     return first_tokens(tokenizer, checked_observation(env.reset(seed), max_chars))
 
 
-def step_call(
-    env: Env,
-    action: Action,
-    history: list[Message] | None,
-    tokenizer: Tokenizer,
-    max_chars: int,
-    ended_on_eos: bool,
-) -> tuple[list[int] | None, list[Message] | None, float, bool, dict[str, float]]:
-    """On a worker: step, check, and tokenize the observation unless the episode is done: (observation tokens,
-    chat history after them, reward, done, info)."""
-    return step_answer(env.step(action), action, history, tokenizer, max_chars, ended_on_eos)
-
-
 def step_answer(
     result: Any,
     action: Action,
@@ -163,7 +150,8 @@ def step_answer(
     max_chars: int,
     ended_on_eos: bool,
 ) -> tuple[list[int] | None, list[Message] | None, float, bool, dict[str, float]]:
-    """:func:`step_call`'s checks and tokens of a step's ``result`` (for steps taken in a batch)."""
+    """On a worker (or after a batched step): check ``env.step``'s ``result`` and tokenize the observation unless
+    the episode is done: (observation tokens, chat history after them, reward, done, info)."""
     obs, reward, done, info = checked_step(result)
     if done:
         return None, history, reward, done, info

@@ -40,7 +40,7 @@ from spinwheel.engine import LLMEngine, SamplingParams
 from spinwheel.engine.outputs import CompletionOutput, RequestOutput
 from spinwheel.envs.base import Action, Env
 from spinwheel.envs.single import step_batch
-from spinwheel.rl.llm.env_calls import EnvCall, EnvCallError, EnvWorkers, reset_call, step_answer, step_call
+from spinwheel.rl.llm.env_calls import EnvCall, EnvCallError, EnvWorkers, reset_call, step_answer
 from spinwheel.rl.llm.episode_tokens import Episode, EpisodeConfig, has_drift
 from spinwheel.rl.llm.rollout import sample_seed
 
@@ -269,8 +269,8 @@ class _Driver:
         if run.batched:
             self.pending.append((run, action, ended_on_eos))
             return
-        args = (run.env, action, run.history, self.tokenizer, self._max_chars, ended_on_eos)
-        self._call(run, "step", step_call, *args)
+        args = (action, run.history, self.tokenizer, self._max_chars, ended_on_eos)
+        self._call(run, "step", lambda: step_answer(run.env.step(action), *args))
 
     def _step_pending(self) -> None:
         """Step the batched environments' turns, once nothing else is in flight, in one call per class
