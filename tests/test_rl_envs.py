@@ -92,3 +92,34 @@ def test_env_arg_repeats_and_unknown_envs_fail_at_start(tmp_path):
     assert from_args(RLConfig, ns).env_arg == ("n=8", "max_turns=3", "n=4")
     with pytest.raises(EnvError, match="no built-in environment 'nosuchenv'"):
         train_rl(_env_config(tmp_path, "nosuchenv"))
+
+
+ENV_LAYOUTS = [("dp2", dict(dp=2)), ("tp2", dict(tp=2))]
+
+
+def _guess(out_dir, **kw):
+    base = dict(data=None, reward="task", env="guess", env_arg=("max_turns=3",), steps=3, max_new_tokens=4)
+    return small_config(out_dir, **{**base, "beta": 0.0, "eval_examples": 2, **kw})
+
+
+def _env_layout_worker(rank: int, world_size: int, root: str) -> None:
+    from spinwheel.parallel import ParallelConfig
+
+    for name, kwargs in ENV_LAYOUTS:
+        train_rl(_guess(f"{root}/{name}", parallel=ParallelConfig(**kwargs)))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_multi_turn_layouts_draw_the_same_episodes_and_steps_as_one_process(tmp_path):
+    from spinwheel.parallel import spawn
+
+    train_rl(_guess(tmp_path / "one"))
+    ref = [r for r in read_metrics(tmp_path / "one" / "metrics.jsonl") if "reward_mean" in r]
+    assert len(ref) == 3 and all(r["turns_mean"] > 1 for r in ref)  # multi-turn episodes
+    spawn(_env_layout_worker, 2, args=(str(tmp_path),), timeout_s=400)
+    for name, _ in ENV_LAYOUTS:
+        recs = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "reward_mean" in r]
+        for key in ("reward_mean", "turns_mean", "response_len"):
+            assert [r[key] for r in recs] == [r[key] for r in ref], (name, key)  # the same episodes
+        assert [r["loss"] for r in recs] == pytest.approx([r["loss"] for r in ref], rel=1e-5, abs=1e-7), name
