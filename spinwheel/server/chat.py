@@ -1,7 +1,9 @@
 """``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template (:mod:`.chat_template`),
 ``n`` choices (the best of ``best_of``), ``logprobs`` / ``top_logprobs``, vLLM's ``prompt_logprobs``
-(non-streaming); a JSON response or a server-sent-event stream whose first chunk per choice carries the assistant
-role. Many messages or long ones are rendered off the event loop, and a large response is built there too."""
+(non-streaming) and ``return_token_ids`` (``prompt_token_ids`` on the response — on a stream, on each choice's first
+chunk — and ``token_ids`` on each choice or chunk: what the engine was fed and sampled, never re-tokenised); a JSON
+response or a server-sent-event stream whose first chunk per choice carries the assistant role. Many
+messages or long ones are rendered off the event loop, and a large response is built there too."""
 
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ class ChatCompletions(generation.Endpoint):
                     if body.logprobs and c.logprobs is not None
                     else None,
                     "finish_reason": c.finish_reason,
+                    **({"token_ids": list(c.token_ids)} if body.return_token_ids else {}),
                 }
                 for c in out.outputs
             ]
@@ -99,6 +102,8 @@ class ChatCompletions(generation.Endpoint):
                 "choices": choices,
                 "usage": generation.usage([req.ids], [out]),
             }
+            if body.return_token_ids:
+                response["prompt_token_ids"] = list(req.ids)
             if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
                 response["prompt_logprobs"] = prompt_logprobs(
                     self.tokenizer, req.ids, out.prompt_logprobs, out.prompt_logprob_ranks, body.prompt_logprobs
@@ -110,13 +115,14 @@ class ChatCompletions(generation.Endpoint):
 
     def _render_delta(self, req: _Request, d: Delta) -> list[dict]:
         """A stream's chunk objects for delta ``d``: the assistant role first, then the new content."""
-        c, want_lp = d.output, req.body.logprobs
+        c, want_lp, want_ids = d.output, req.body.logprobs, req.body.return_token_ids
         chunks = []
         if d.first:
             role = {"role": "assistant", "content": ""}
-            chunks.append({"index": c.index, "delta": role, "logprobs": None, "finish_reason": None})
+            first = {"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}
+            chunks.append({**first, "prompt_token_ids": list(req.ids)} if want_ids else first)
         new_tokens = c.token_ids[d.start_token :]
-        if not d.text and d.finish_reason is None and not (want_lp and new_tokens):
+        if not d.text and d.finish_reason is None and not ((want_lp or want_ids) and new_tokens):
             return chunks
         lp = (
             chat_logprobs(self.tokenizer, new_tokens, c.logprobs[d.start_token :], req.top_k)
@@ -124,7 +130,8 @@ class ChatCompletions(generation.Endpoint):
             else None
         )
         delta = {"content": d.text} if d.text else {}
-        chunks.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
+        chunk = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        chunks.append({**chunk, "token_ids": list(new_tokens)} if want_ids else chunk)
         return chunks
 
     def _stream(self, req: _Request) -> Response:

@@ -1,7 +1,8 @@
 """``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` choices per prompt (the best of
 ``best_of``), ``echo``, ``logprobs`` (with ``echo``, the prompt's tokens scored too, the first one null), vLLM's
-``prompt_logprobs`` on each choice; a JSON response or a server-sent-event stream. Choice ``i * n + j`` is sample
-``j`` of prompt ``i``. ``echo`` with ``max_tokens=0`` returns the prompt alone (with ``logprobs``: scored).
+``prompt_logprobs`` on each choice, vLLM's ``return_token_ids`` (``prompt_token_ids`` and ``token_ids`` on each
+choice: what the engine was fed and sampled); a JSON response or a server-sent-event stream. Choice ``i * n + j``
+is sample ``j`` of prompt ``i``. ``echo`` with ``max_tokens=0`` returns the prompt alone (with ``logprobs``: scored).
 
 The log-prob entries a request asks for are bounded before it runs (``--max-logprobs-per-request``), and a large
 response is built off the event loop, so that one request scoring a big batch does not hold up the others."""
@@ -114,6 +115,10 @@ class Completions(generation.Endpoint):
         text = echoed + (c.text if d is None else d.text)
         finish = c.finish_reason if d is None else d.finish_reason
         ch = {"index": i * body.n + c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if body.return_token_ids:  # vLLM's: the prompt's ids with the whole choice or its first delta
+            if first:
+                ch["prompt_token_ids"] = list(req.prompts[i])
+            ch["token_ids"] = list(c.token_ids[start_token:])
         if body.prompt_logprobs is not None and first and out.prompt_logprobs is not None:
             ch["prompt_logprobs"] = prompt_logprobs(
                 self.tokenizer, req.prompts[i], out.prompt_logprobs, out.prompt_logprob_ranks, body.prompt_logprobs
@@ -152,7 +157,13 @@ class Completions(generation.Endpoint):
                     yield i, out
 
         def render(d: Delta) -> list[dict]:
-            if not d.text and not (d.first and body.echo) and d.finish_reason is None and d.output.logprobs is None:
+            if (
+                not d.text
+                and not (d.first and (body.echo or body.return_token_ids))
+                and d.finish_reason is None
+                and d.output.logprobs is None
+                and not (body.return_token_ids and d.output.token_ids[d.start_token :])
+            ):
                 return []
             return [self._choice(req, d.prompt_index, latest[d.prompt_index], d.output, d)]
 

@@ -149,6 +149,8 @@ class ServedModel:
                 repetition_penalty=body.repetition_penalty,
                 seed=body.seed,
                 stop=body.stop,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                logprobs_mode=body.logprobs_mode,
                 stop_token_ids=body.stop_token_ids or [],
                 max_tokens=max_tokens,
                 min_tokens=body.min_tokens,

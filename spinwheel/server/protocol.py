@@ -136,6 +136,12 @@ class _SamplingFields(_Body):
     length_penalty: float = 1.0  # vLLM extension (beam search)
     early_stopping: StrictBool | Literal["never"] = False  # vLLM extension (beam search)
     response_format: dict[str, Any] | None = None  # only {"type": "text"} is served
+    include_stop_str_in_output: StrictBool = False  # vLLM extension: the stop string stays in the text
+    # vLLM extension: the prompt's and each choice's token ids in the response (what the engine was fed and sampled)
+    return_token_ids: StrictBool = False
+    # spinwheel extension (vLLM's engine-wide --logprobs-mode, per request): "processed" reports the log-probs of
+    # the distribution the tokens were drawn from (after temperature, top-p, penalties) — what an RL trainer needs
+    logprobs_mode: Literal["raw", "processed"] = "raw"
 
     @field_validator("stop")
     @classmethod
