@@ -59,6 +59,12 @@ class EngineConfig:
         "no oneDNN primitive exists yet (always in serve's engine process); oneDNN's own default, 1024, costs up "
         "to ~1 GiB",
     )
+    tensor_parallel_size: int = option(
+        1,
+        help="tensor-parallel degree: the engine spawns N - 1 worker processes (gloo on CPU, NCCL on GPUs 0..N-1) and "
+        "each rank holds 1/N of the weights (Megatron split) and of every KV block; N must divide the heads, KV "
+        "heads, MLP width and vocabulary",
+    )
     seed: int = option(0, help="seed of the engine's generator for requests without their own seed")
     dtype: str | None = option(None, help="model dtype when loading from a path (default: the checkpoint's)")
     device: str | None = option(None, help="device when loading from a path (default: cuda if available)")
@@ -67,7 +73,7 @@ class EngineConfig:
         # Field names in the messages: the commands spell them as their --engine-* options (config.from_args).
         check_ranges(
             self,
-            at_least_1=("block_size", "num_kv_blocks", "onednn_cache_capacity", "max_num_seqs"),
+            at_least_1=("block_size", "num_kv_blocks", "onednn_cache_capacity", "max_num_seqs", "tensor_parallel_size"),
             non_negative=("num_cpu_blocks", "swap_space_mb"),
             positive=("kv_cache_memory_mb",),
             name=str,

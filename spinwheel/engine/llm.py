@@ -109,11 +109,16 @@ class LLM:
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
         """New weights from the trainer (in process); invalidates the prefix cache."""
+        if self.engine.executor is not None:
+            raise NotImplementedError("update_weights under tensor parallelism (resharding) is not built yet")
         self.engine.update_weights(model_or_state_dict)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def close(self) -> None:
-        """Give the model its original attention kernels back (the KV cache is released with the engine)."""
+        """Give the model its original attention kernels back (the KV cache is released with the engine) and stop
+        the tensor-parallel workers, if any."""
         self.engine.runner.uninstall()
+        if self.engine.executor is not None:
+            self.engine.executor.close()

@@ -20,7 +20,7 @@ from spinwheel.engine.beam_search import beam_step
 from spinwheel.engine.block_manager import BlockManager
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.isolation import RequestFailures, failed_output, sample_isolated
-from spinwheel.engine.model_runner import ModelRunner, StepLogits
+from spinwheel.engine.model_runner import StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.outputs import EngineStats, RequestOutput, StepInfo
 from spinwheel.engine.sampler import Sampler, SampleRow
@@ -28,6 +28,7 @@ from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from spinwheel.engine.tp_executor import make_runner
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.threads import fit_threads
@@ -61,7 +62,8 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        self.runner = ModelRunner(model, config, self.max_model_len)
+        self.runner, self.executor = make_runner(model, config, self.max_model_len)  # tp > 1: rank 0's shard
+        self.model = model = self.runner.model
         self.loras = self.runner.loras  # LoRA adapters served by name, unmerged: loras.add(name, adapter_dir)
         pool_tokens = self.runner.num_blocks * config.block_size
         if config.max_model_len is None and self.max_model_len > pool_tokens:  # a context no request could use

@@ -1,0 +1,146 @@
+"""The driver's side of a tensor-parallel engine (``EngineConfig.tensor_parallel_size = N``): vLLM's executor pattern.
+
+The process that owns the engine is the driver, rank 0 of an N-process ``torch.distributed`` world (gloo on CPU,
+NCCL when the model is on a GPU, rank r on GPU r). It spawns the N − 1 workers itself (multiprocessing's fork
+server, so ``LLM(..., tensor_parallel_size=N)`` needs no launcher), hands each the full weights once through shared
+memory (each worker copies only its slices), and joins them in a process group on a free local port. The scheduler,
+block manager, sampler and detokenizer run on the driver only; per step the driver sends every worker the schedule's
+block moves and the flat batch it prepared (:class:`~spinwheel.engine.tp_worker.Step`, one pickle through a pipe
+per worker — vLLM ships its ``ExecuteModelRequest`` the same way, through a message queue rather than a collective,
+so idle workers wait on a pipe without a collective timing out), then runs the step on its own shard; the workers
+run the same step on theirs; the ranks meet in the forward's all-reduces and the logits' all-gather.
+
+Faults: the collectives wait at most ``timeout_s``; a worker that exited is noticed before each step (and when a
+collective fails), and the step raises :class:`TensorParallelError` naming it; :meth:`TPExecutor.close` then stops
+or kills the others. A process that already has a default process group (a ``torchrun`` job) cannot host one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import pickle
+
+import torch.distributed as dist
+
+from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.model_runner import ModelRunner
+from spinwheel.engine.tp_worker import Step, TPModelRunner, check_tp_degree, pool_sizes, shard_model, worker_main
+from spinwheel.models.transformer import Transformer
+from spinwheel.parallel.comm import Comm
+from spinwheel.parallel.launch import free_port
+from spinwheel.parallel.mesh import Axis
+
+logger = logging.getLogger(__name__)
+
+TP_TIMEOUT_S = 60.0  # longest wait of a collective (and of the workers' start-up)
+_PRELOAD = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine"]
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker is gone or a collective failed: the engine cannot step any more (close it)."""
+
+
+def make_runner(model: Transformer, config: EngineConfig, max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
+    """The engine's model runner: over the whole model on one device, or (``tensor_parallel_size`` > 1) rank 0's
+    shard, with the executor that started and drives the other ranks."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(model, config, max_model_len), None
+    executor = TPExecutor(model, config, max_model_len)
+    return executor.runner, executor
+
+
+class TPExecutor:
+    """Spawns and drives the workers of an N-way tensor-parallel engine; ``runner`` is the driver's own rank."""
+
+    def __init__(
+        self, model: Transformer, config: EngineConfig, max_model_len: int, timeout_s: float = TP_TIMEOUT_S
+    ) -> None:
+        tp = config.tensor_parallel_size
+        check_tp_degree(model.config, tp)
+        if dist.is_initialized():
+            raise RuntimeError(
+                "tensor_parallel_size > 1 starts its own process group, and this process has one already "
+                "(a torchrun job?): run the tensor-parallel engine in a process of its own"
+            )
+        self.tp, self.failure = tp, None
+        backend = "nccl" if model.device.type == "cuda" else "gloo"
+        runner_config = pool_sizes(config, model.config, model.dtype, max_model_len)
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        init = f"tcp://127.0.0.1:{free_port()}"
+        self.procs, self.conns = [], []
+        for rank in range(1, tp):
+            parent, child = ctx.Pipe()
+            args = (rank, tp, init, backend, timeout_s, child, model.config, state, runner_config, max_model_len)
+            proc = ctx.Process(target=worker_main, args=args, daemon=True, name=f"spinwheel-tp-worker-{rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=tp, timeout=timeout)
+        self.axis, self.comm = Axis("tp", tuple(range(tp)), 0, dist.group.WORLD), Comm(timeout_s)
+        shard = shard_model(model.config, state, self.axis, self.comm, model.device)
+        del state
+        self.runner = TPModelRunner(shard, runner_config, max_model_len, self.axis, self.comm, executor=self)
+        self.memory = [self.runner.shard_bytes()]  # per rank: sharded and replicated weights, KV cache (bytes)
+        for rank, conn in enumerate(self.conns, 1):
+            if not conn.poll(timeout_s):
+                self.close()
+                raise TensorParallelError(f"tensor-parallel worker {rank} did not start within {timeout_s:.0f}s")
+            self.memory.append(conn.recv())
+        logger.info("tensor-parallel engine: %d ranks (%s), per-rank memory %s", tp, backend, self.memory)
+
+    def _dead(self) -> str | None:
+        for rank, proc in enumerate(self.procs, 1):
+            if proc.exitcode is not None:
+                return f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def send(self, step: Step) -> None:
+        """Ship one step to every worker (raises :class:`TensorParallelError` if one is gone)."""
+        if self.failure is None:
+            self.failure = self._dead()
+        if self.failure is not None:
+            raise TensorParallelError(f"{self.failure}; the engine cannot continue: close it")
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            raise self.error(e) from e
+
+    def error(self, exc: BaseException) -> TensorParallelError:
+        """The error a failed step raises: the worker that is gone if any (a collective failing with a dead peer),
+        else the collective's own error."""
+        for _ in range(20):  # a killed peer breaks the collective before its exit code is visible
+            self.failure = self._dead()
+            if self.failure is not None:
+                break
+            for proc in self.procs:
+                proc.join(0.05)
+        self.failure = self.failure or f"a collective of the tensor-parallel group failed ({exc})"
+        return TensorParallelError(f"{self.failure}; the engine cannot continue: close it")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the workers (killing any that do not stop within ``timeout_s``) and leave the process group."""
+        stop = pickle.dumps(Step([], [], [], None, stop=True))
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                if proc.exitcode is None:
+                    conn.send_bytes(stop)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout_s if self.failure is None else 0.5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout_s)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,228 @@
+"""A tensor-parallel rank of the engine: its shard of the model, its shard of the KV cache, and the step it runs.
+
+Every rank (the driver, rank 0, and the workers :mod:`~spinwheel.engine.tp_executor` spawns) holds the Megatron
+split of :func:`spinwheel.parallel.tensor.apply_tensor_parallel`: q/k/v and gate/up column-parallel (its
+``H/N`` query heads, ``G/N`` KV heads and ``I/N`` MLP features), ``o_proj`` and ``down_proj`` row-parallel (one
+all-reduce of the (N_tokens, C) activation each), the embedding and the LM head vocab-parallel. Its config says
+``H/N`` and ``G/N`` heads, so the :class:`~spinwheel.engine.model_runner.ModelRunner` it runs under allocates
+``G/N`` heads of every KV block: each rank holds 1/N of every block, and the pool has as many blocks as one device
+would (:func:`pool_sizes`), so the driver's block manager schedules exactly what one device would.
+
+A step is the same on every rank (:meth:`TPModelRunner.execute`): the block moves of the schedule, then the forward
+over the inputs the driver prepared, then the LM head on the sampled rows; the vocab slices of the logits are
+all-gathered, so the driver samples from the whole (R, V) logits as on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
+from spinwheel.models.config import ModelConfig
+from spinwheel.models.transformer import RotaryEmbedding, Transformer
+from spinwheel.parallel.comm import Comm
+from spinwheel.parallel.mesh import Axis
+from spinwheel.parallel.tensor import apply_tensor_parallel
+
+logger = logging.getLogger(__name__)
+
+
+def check_tp_degree(config: ModelConfig, tp: int) -> None:
+    """Refuse a TP degree the model cannot be split by (one line, before anything is allocated)."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    parts = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    bad = [f"{name} ({n})" for name, n in parts.items() if n % tp]
+    if bad:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {' and '.join(bad)}")
+
+
+@dataclass
+class Step:
+    """What the driver sends each worker per step (vLLM's ``ExecuteModelRequest``): the schedule's block moves and
+    the flat batch the driver prepared (tensors on CPU; None when the step only moves blocks), or ``stop``."""
+
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copy: list[tuple[int, int]]
+    inputs: StepInputs | None
+    stop: bool = False
+
+
+def to_device(obj, device: torch.device):
+    """``obj`` with every tensor inside (lists, tuples, dicts, dataclasses) on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = dataclasses.replace(obj) if all(f.init for f in dataclasses.fields(obj)) else obj
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, to_device(getattr(obj, f.name), device))
+        return new
+    return obj
+
+
+def shard_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], axis: Axis, comm: Comm, device: torch.device
+) -> Transformer:
+    """This rank's shard of the model whose full weights are ``state``: built on the meta device (no full copy),
+    the weights assigned by reference, then split by :func:`apply_tensor_parallel` (which copies only this rank's
+    slices) and moved to ``device``. Its config names the local head counts, which size the KV cache."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(state, assign=True, strict=False)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config)
+    apply_tensor_parallel(model, axis, comm)
+    model.to(device)
+    n = axis.size
+    model.config = dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // n,
+        num_key_value_heads=config.num_key_value_heads // n,  # type: ignore[operator]
+        head_dim=config.head_dim,
+    )
+    return model.eval()
+
+
+def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int) -> EngineConfig:
+    """``config`` with the block counts one device would get (ModelRunner's rules on the full model's block size),
+    so a rank's pool holds as many blocks as one device's, each 1/N of the size."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    full_block = 2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads * elem
+    full_block *= model_config.head_dim  # type: ignore[operator]
+    cap = config.max_num_seqs * -(-max_model_len // config.block_size)
+    blocks = config.num_kv_blocks or max(1, min(cap, int(config.kv_cache_memory_mb * 2**20 // full_block)))
+    cpu = config.num_cpu_blocks
+    if cpu is None:
+        cpu = 0 if config.preemption_mode != "swap" else min(blocks, int(config.swap_space_mb * 2**20 // full_block))
+    return dataclasses.replace(config, num_kv_blocks=blocks, num_cpu_blocks=cpu, cpu_packed_weights=False)
+
+
+class TPModelRunner(ModelRunner):
+    """A :class:`ModelRunner` over a model shard: the same step on every rank, the logits gathered over the TP axis.
+
+    On the driver ``executor`` (:class:`~spinwheel.engine.tp_executor.TPExecutor`) ships each step to the workers
+    before it runs here, and names a dead worker when a collective fails."""
+
+    def __init__(
+        self, model: Transformer, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm, executor=None
+    ) -> None:
+        super().__init__(model, config, max_model_len)
+        self.axis, self.comm, self.executor = axis, comm, executor
+
+    @torch.inference_mode()
+    def run(self, out) -> StepLogits | None:
+        moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        inputs = self.prepare_inputs(out.scheduled, out.block_tables) if out.scheduled else None
+        if inputs is None and not any(moves):
+            return None
+        if self.executor is None:
+            return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
+        cpu = to_device(inputs, torch.device("cpu")) if self.model.device.type != "cpu" else inputs
+        self.executor.send(Step(*moves, cpu))  # type: ignore[arg-type]
+        try:
+            return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
+        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
+            raise self.executor.error(e) from e
+
+    @torch.inference_mode()
+    def execute(self, step: Step) -> StepLogits | None:
+        """One step on this rank's shard (the same on every rank): block moves, forward, gathered logits."""
+        if step.swap_out or step.swap_in or step.copy:
+            self.move_blocks(
+                SimpleNamespace(
+                    blocks_to_swap_out=step.swap_out, blocks_to_swap_in=step.swap_in, blocks_to_copy=step.copy
+                )
+            )  # type: ignore[arg-type]
+        if step.inputs is None:
+            return None
+        inputs = step.inputs
+        if self.model.device.type != "cpu":
+            inputs = to_device(inputs, self.model.device)
+        return self.select_rows(self.forward(inputs), inputs)
+
+    @torch.inference_mode()
+    def select_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> StepLogits:
+        """This rank's vocabulary slice of the picked rows' logits (R, V/N), all-gathered to (R, V)."""
+        if len(inputs.picks) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(inputs.picks, dtype=torch.long, device=hidden.device)]
+        local = self.model.lm_head(hidden).float().contiguous()
+        logits = torch.cat(self.comm.all_gather_list(local, self.axis), dim=-1)
+        return StepLogits(logits, inputs.sample_rows, inputs.prompt_rows)
+
+    def shard_bytes(self) -> dict[str, int]:
+        """This rank's memory: weights (sharded and replicated) and KV cache, in bytes."""
+        sharded = replicated = 0
+        seen: set[int] = set()
+        for name, p in self.model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            size = p.numel() * p.element_size()
+            if name.endswith(("norm.weight", "o_proj.bias", "down_proj.bias")):
+                replicated += size
+            else:
+                sharded += size
+        return {"sharded_weights": sharded, "replicated_weights": replicated, "kv_cache": self.kv_cache_bytes}
+
+
+def worker_main(
+    rank: int,
+    world: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float,
+    conn,
+    model_config,
+    state,
+    engine_config,
+    max_model_len: int,
+) -> None:
+    """A worker process: join the TP group, build this rank's shard and runner, then run each step the driver
+    sends through ``conn`` until ``stop`` or until the driver is gone (its end of the pipe closed)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_flush_denormal(engine_config.flush_denormal)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    try:
+        axis, comm = Axis("tp", tuple(range(world)), rank, dist.group.WORLD), Comm(timeout_s)
+        runner = TPModelRunner(
+            shard_model(model_config, state, axis, comm, device), engine_config, max_model_len, axis, comm
+        )
+        del state
+        conn.send(runner.shard_bytes())
+        while True:
+            try:
+                step = conn.recv()
+            except EOFError:
+                return
+            if step.stop:
+                return
+            runner.execute(step)
+    finally:
+        dist.destroy_process_group()
