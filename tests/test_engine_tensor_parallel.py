@@ -1,0 +1,104 @@
+"""The tensor-parallel engine (``LLM(..., tensor_parallel_size=2)``) on 2 gloo ranks on CPU against one device.
+
+One TP-2 engine (the driver here, one spawned worker) serves every test of the module; the last one kills its worker.
+
+* greedy output equals one device's token for token on a mixed workload (random prompts and lengths, shared
+  prefixes) with chunked prefill, prefix caching and recompute preemption (a KV pool too small for the batch);
+* seeded sampling, with parallel samples (forks: copy-on-write block copies sent to the worker), equals one device's;
+* each rank holds half of the sharded weights and half of every KV block (the same number of blocks);
+* a TP degree that does not divide the heads or KV heads: one-line error, no process started;
+* a killed worker: the next step raises :class:`TensorParallelError` (no hang) and the LLM closes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from helpers import tiny_engine_model
+from spinwheel.engine import LLM, SamplingParams
+from spinwheel.engine.tp_executor import TensorParallelError
+
+# small pool (20 blocks of 4 = 80 tokens for up to 8 sequences) and token budget: preemption and chunked prefill
+CONFIG = dict(num_kv_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    tp = LLM(tiny_engine_model(128), tensor_parallel_size=2, **CONFIG)
+    one = LLM(tiny_engine_model(128), **CONFIG)
+    yield tp, one
+    tp.close()
+    one.close()
+
+
+def _workload(seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 100) for _ in range(9)]
+    prompts = []
+    for i in range(10):
+        tail = [rng.randrange(3, 100) for _ in range(rng.randint(1, 30))]
+        prompts.append(shared + tail if i % 3 == 0 else tail)  # a third share a 2-block prefix
+    return prompts, [rng.randint(1, 24) for _ in prompts]
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in llm.generate(prompts, params)]
+
+
+def test_greedy_equals_one_device_with_chunks_prefix_cache_and_preemption(engines):
+    tp, one = engines
+    prompts, lengths = _workload(0)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    assert _tokens(tp, prompts, params) == _tokens(one, prompts, params)
+    sched = tp.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.num_preemptions == one.engine.scheduler.num_preemptions
+    assert tp.engine.block_manager.num_prefix_hit_tokens > 0
+
+
+def test_seeded_sampling_with_forks_equals_one_device(engines):
+    tp, one = engines
+    prompts, lengths = _workload(1)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, n=2, seed=100 + i, max_tokens=n, ignore_eos=True)
+        for i, n in enumerate(lengths[:5])
+    ]
+    assert _tokens(tp, prompts[:5], params) == _tokens(one, prompts[:5], params)
+
+
+def test_each_rank_holds_half_the_weights_and_of_every_block(engines):
+    tp, one = engines
+    memory = tp.engine.executor.memory
+    full = sum(p.numel() * p.element_size() for p in one.model.parameters())
+    assert len(memory) == 2 and memory[0] == memory[1]
+    replicated = memory[0]["replicated_weights"]  # the norms
+    assert memory[0]["sharded_weights"] * 2 + replicated == full
+    assert memory[0]["kv_cache"] * 2 == one.engine.runner.kv_cache_bytes
+    assert tp.engine.runner.num_blocks == one.engine.runner.num_blocks
+
+
+def test_tp_degree_must_divide_heads_before_anything_starts():
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 must divide the model's num_key_value_heads \(2\)"):
+        LLM(tiny_engine_model(128), tensor_parallel_size=4, **CONFIG)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(tiny_engine_model(128), tensor_parallel_size=3, **CONFIG)
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_killed_worker_raises_and_closes(engines):
+    tp, _ = engines
+    (worker,) = tp.engine.executor.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="worker 1 .* exited with code -9"):
+        tp.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))
+    tp.close()
+    assert time.monotonic() - start < 10
+    assert not tp.engine.executor.procs
