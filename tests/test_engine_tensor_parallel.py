@@ -19,8 +19,8 @@ import signal
 import time
 
 import pytest
-
 from helpers import tiny_engine_model
+
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.engine.tp_executor import TensorParallelError
 

@@ -55,8 +55,9 @@ class TPExecutor:
     """Spawns and drives the workers of an N-way tensor-parallel engine; ``runner`` is the driver's own rank."""
 
     def __init__(
-        self, model: Transformer, config: EngineConfig, max_model_len: int, timeout_s: float = TP_TIMEOUT_S
+        self, model: Transformer, config: EngineConfig, max_model_len: int, timeout_s: float | None = None
     ) -> None:
+        timeout_s = timeout_s or TP_TIMEOUT_S
         tp = config.tensor_parallel_size
         check_tp_degree(model.config, tp)
         if dist.is_initialized():
