@@ -3,7 +3,8 @@
 One TP-2 engine (the driver here, one spawned worker) serves every test of the module; the last one kills its worker.
 
 * greedy output equals one device's token for token on a mixed workload (random prompts and lengths, shared
-  prefixes) with chunked prefill, prefix caching and recompute preemption (a KV pool too small for the batch);
+  prefixes) with chunked prefill, prefix caching and recompute preemption (a KV pool too small for the batch),
+  and with swap preemption (blocks moved to and from the CPU pool on every rank; a second engine, last);
 * seeded sampling, with parallel samples (forks: copy-on-write block copies sent to the worker), equals one device's;
 * each rank holds half of the sharded weights and half of every KV block (the same number of blocks);
 * a TP degree that does not divide the heads or KV heads: one-line error, no process started;
@@ -102,3 +103,18 @@ def test_killed_worker_raises_and_closes(engines):
     tp.close()
     assert time.monotonic() - start < 10
     assert not tp.engine.executor.procs
+
+
+def test_swap_preemption_equals_one_device(engines):
+    engines[0].close()  # one tensor-parallel group per process: the module's engine is done (closing is idempotent)
+    config = {**CONFIG, "preemption_mode": "swap", "num_cpu_blocks": 20}
+    tp = LLM(tiny_engine_model(128), tensor_parallel_size=2, **config)
+    one = LLM(tiny_engine_model(128), **config)
+    try:
+        prompts, lengths = _workload(2)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        assert _tokens(tp, prompts, params) == _tokens(one, prompts, params)
+        assert tp.engine.scheduler.num_preemptions > 0
+    finally:
+        tp.close()
+        one.close()
