@@ -15,8 +15,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from spinwheel.parallel.launch import rank_context
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.rl.classic import ClassicConfig, load_policy, train
 from spinwheel.rl.classic.buffer import RolloutBuffer
@@ -377,7 +377,7 @@ def dp_worker(rank: int, world_size: int, ports: list[int], out_root: str) -> No
 @pytest.mark.distributed
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
 def test_data_parallel_equals_single_process(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # ranks forked from a server that imported torch once, as spawn() starts them
     ports = [free_port() for _ in DP_CONFIGS]
     procs = [ctx.Process(target=dp_worker, args=(rank, 2, ports, str(tmp_path))) for rank in range(2)]
     for p in procs:
