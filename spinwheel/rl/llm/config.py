@@ -144,6 +144,19 @@ class RLConfig(RunConfig):
         "π_engine, C) to correct sampler/trainer mismatch (e.g. 2.0)",
         group="algorithm",
     )
+    max_staleness: int | None = option(
+        None,
+        help="asynchronous rollouts: a producer thread samples the next steps' episodes while the trainer updates, "
+        "loading new weights between engine steps; episodes older than K updates at training time are dropped "
+        "(0: the synchronous run exactly; default: the synchronous loop; one process only)",
+        group="rollout",
+    )
+    mis_cap: float | None = option(
+        None,
+        help="sequence-level masked importance sampling: drop from the loss the sequences whose ratio "
+        "prod_t pi_trainer / pi_engine lies outside [1/C, C] (e.g. 2.0)",
+        group="algorithm",
+    )
     # The loop's engine samples from plain weights: oneDNN-packed copies would be repacked after every update, and
     # at RL rollout sizes packing does not speed sampling up (BENCHMARKS.md, GRPO vs TRL).
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(**RL_ENGINE_DEFAULTS), metadata={"cli": False})
@@ -164,6 +177,7 @@ class RLConfig(RunConfig):
             fraction=("top_p", "fisher_fraction"),
         )
         check_ranges(self, at_least_1=("max_turns", "max_episode_tokens"), positive=("env_timeout_s",))
+        check_ranges(self, non_negative=("max_staleness",), at_least_1=("mis_cap",))
         if self.env is not None and (self.data is not None or self.reward != "task" or self.reward_model):
             raise ValueError(
                 "--env takes its prompts and rewards from the environment: drop --data / --reward / --reward-model "

@@ -65,6 +65,7 @@ class Episode:
     error: str | None = None
     info: dict[str, float] = field(default_factory=dict)  # the steps' figures (a later step's value wins)
     drift: bool = False  # re-tokenising the decoded text would give other tokens
+    versions: list[int] = field(default_factory=list)  # policy version of each sampled token, in order (asynchronous)
 
 
 @dataclass

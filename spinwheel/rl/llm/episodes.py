@@ -96,13 +96,17 @@ def run_episodes(
     step: int,
     should_stop: Callable[[], bool] | None = None,
     figures: dict[str, float] | None = None,
+    token_versions: Callable[[str, int, int], list[int]] | None = None,
 ) -> list[Episode]:
     """Play every group's episodes to the end on ``engine`` (the ``LLM``'s ``.engine``, with a tokenizer);
     episodes come back group-major (``i = group · G + sample``), failed ones included (``failed``, ``error``).
-    ``figures`` (when given) receives ``batch_step_s``: the seconds spent in batched steps (reward calls)."""
+    ``figures`` (when given) receives ``batch_step_s``: the seconds spent in batched steps (reward calls).
+    ``token_versions(request_id, sample_index, num_tokens)`` (asynchronous rollouts) gives the policy version of each
+    token a turn sampled; they go to ``Episode.versions``."""
     if engine.tokenizer is None:
         raise ValueError("run_episodes needs an engine with a tokenizer (observations are text)")
     driver = _Driver(engine, groups, config, seed, step, should_stop)
+    driver.token_versions = token_versions
     episodes = driver.run()
     if figures is not None:
         figures["batch_step_s"] = driver.batch_step_s
@@ -121,6 +125,7 @@ class _Driver:
         self.batch_step_s = 0.0  # time in batched steps (the one-step reward calls)
         self.started = 0  # groups whose first turn is requested (in order)
         self.workers = EnvWorkers(config.num_env_workers)
+        self.token_versions: Callable[[str, int, int], list[int]] | None = None
 
     def _new_run(self, group: EpisodeGroup, k: int, j: int, env: Env) -> _Run:
         turns = getattr(env, "max_turns", 1)
@@ -253,10 +258,12 @@ class _Driver:
             if out.error or c.finish_reason in ("abort", "error"):
                 self._fail(run, f"the engine failed the turn: {out.error or c.finish_reason}")
             else:
-                self._on_turn(run, c)
+                self._on_turn(run, c, out.request_id)
 
-    def _on_turn(self, run: _Run, c: CompletionOutput) -> None:
+    def _on_turn(self, run: _Run, c: CompletionOutput, request_id: str) -> None:
         e, ids = run.episode, list(c.token_ids)
+        if self.token_versions is not None:
+            e.versions += self.token_versions(request_id, c.index, len(ids))
         logprobs = [lp[t] for t, lp in zip(ids, c.logprobs or [])]
         e.token_ids += ids
         e.mask += [1] * len(ids)

@@ -15,6 +15,7 @@ update's own forward, detached, and no separate old-policy forward runs (:func:`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -28,21 +29,21 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.rl.llm.algorithms import ALGORITHMS, Algorithm, Parts
+from spinwheel.rl.llm.async_rollouts import RolloutProducer, SyncRollouts, staleness_figures, token_versions
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards, mean_info
 from spinwheel.rl.llm.episodes import EpisodesInterrupted
+from spinwheel.rl.llm.off_policy import off_policy_weights
 from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
 from spinwheel.rl.llm.rollout import gather_dp, sample_seed
 from spinwheel.rl.llm.run_envs import PromptsEnv, play_share, run_environments
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
-from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights, truncated_is_weights
+from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, sync_figures
 from spinwheel.train.run import Run, StepFailed
 from spinwheel.train.sft_data import batch_indices
-
-PHASES = ("generate", "score", "logprobs", "update", "sync")
 
 
 def reuses_update_logprobs(config: RLConfig, algo: Algorithm, learner: Learner) -> bool:
@@ -76,7 +77,10 @@ def train_rl(config: RLConfig) -> dict[str, Any]:
                 ("response_len", "completion tokens"),
             ]
             postfix = lambda r: {"reward": f"{r['reward_mean']:.3f}"}  # noqa: E731
-            result = run.train(job, curves, f"{config.algo} {config.model}", postfix)
+            try:
+                result = run.train(job, curves, f"{config.algo} {config.model}", postfix)
+            finally:
+                job.rollouts.close()
             return {**result, "eval_label": job.eval_label}
 
 
@@ -89,6 +93,8 @@ class RLJob:
         self.pad_id = tokenizer.pad_id or 0
         load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
         check_one_process(config, dims is not None, config.algo)
+        if config.max_staleness is not None and dims is not None:
+            raise ValueError("--max-staleness runs its rollout producer in one process for now: drop it under torchrun")
         policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip, fused=True)
         self.learner = self.make_learner(policy, optim)
@@ -108,13 +114,13 @@ class RLJob:
         self.num_eval = getattr(self.make_env("test"), "num_tasks", None)
         self.eval_key = "eval_exact_match" if builtin else "eval_reward"  # the built-in reward is exact match
         self.eval_label = "exact match" if builtin else "mean reward"
-        engine_options = dataclasses.asdict(config.engine)
-        engine_options.update(max_model_len=self._max_model_len(context), seed=config.seed)
-        assert self.learner.engine_model is not None
-        self.llm = LLM(self.learner.engine_model, tokenizer, **engine_options)
-        engine = self.learner.engine_model
-        shared = getattr(self.learner, "shares_weights", True)
+        self.engine_options = dataclasses.asdict(config.engine)
+        self.engine_options.update(max_model_len=self._max_model_len(context), seed=config.seed)
+        self.rollouts = self.make_rollouts()
+        engine = self.llm.engine.model
+        shared = config.max_staleness is None and getattr(self.learner, "shares_weights", True)
         self.engine_copy_mb = 0.0 if shared else sum(p.numel() * p.element_size() for p in engine.parameters()) / 2**20
+        self.last_step_end: float | None = None
         self.on_policy = reuses_update_logprobs(config, self.algo, self.learner)
         self.algo.capture = self.on_policy
         run.open_log(self.learner.is_main)
@@ -142,13 +148,30 @@ class RLJob:
             return min(max(len(p.ids) for p in prompts) + c.max_new_tokens + 1, context)
         return min(c.max_episode_tokens or context, context)
 
+    def make_rollouts(self) -> SyncRollouts | RolloutProducer:
+        """The synchronous loop's rollouts on an engine that generates with the trainer's weights, or with
+        ``--max-staleness`` the producer's, on an engine with a copy of them (the trainer updates its own in place
+        while the engine samples); evaluation then gets an engine of its own on the trainer's weights."""
+        model, c = self.learner.engine_model, self.config
+        assert model is not None
+        if c.max_staleness is None:
+            self.llm = self.eval_llm = LLM(model, self.tokenizer, **self.engine_options)
+            return SyncRollouts(self.play, self.sync_engine)
+        self.llm = LLM(copy.deepcopy(model).requires_grad_(False), self.tokenizer, **self.engine_options)
+        self.eval_llm = None
+        return RolloutProducer(self.play, self.llm.engine, self.run.start_step, self.run.end_step, c.max_staleness)
+
+    def sync_engine(self) -> None:
+        self.learner.sync_engine_model()
+        self.llm.update_weights(self.learner.engine_model)  # ZeRO-1/2 write through flat buckets: repack explicitly
+
     def step(self, step: int) -> dict[str, Any]:
-        """One rollout step: play episodes (generate, environments, rewards) → log-probs → advantages → update →
-        weight sync."""
+        """One rollout step: take the step's episodes (played now, or by the producer) → log-probs → advantages →
+        update → the new weights reach the engine (or are published to the producer)."""
         c, algo, learner = self.config, self.algo, self.learner
-        times, comm_before = [time.perf_counter()], learner.comm_metrics()
-        episodes, reward_s = self.play(step)
-        times += [time.perf_counter() - reward_s, time.perf_counter()]  # sampling and environments; reward calls
+        start, comm_before = time.perf_counter(), learner.comm_metrics()
+        rollout = self.rollouts.take(step)
+        episodes, times, mark = rollout.episodes, rollout.times, time.perf_counter()
         rewards, keep = episode_rewards(episodes, c.group_size)
         batch = {k: v.to(c.device) for k, v in episode_batch(episodes, self.pad_id).items()}
         inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
@@ -156,34 +179,59 @@ class RLJob:
             inputs.update(prompt_lens=batch["prompt_lens"], completion_lens=batch["completion_lens"])
         old = None if self.on_policy else learner.forward(inputs)["logprobs"]
         ref = self.reference.forward(inputs)["logprobs"] if self.reference is not None else None
-        times.append(time.perf_counter())
         mask, keep = batch["mask"], keep.to(batch["mask"].device)
         if c.dynamic_sampling:  # DAPO: groups whose rewards are all equal carry no signal
             keep = keep * dynamic_sampling_mask(rewards, c.group_size).float().to(mask.device)
+        stale, fresh, figures = self.staleness(episodes, mask, step)
+        keep = keep if fresh is None else keep * fresh  # rollouts more than K updates old are dropped
+        times["logprobs"], mark = time.perf_counter() - mark, time.perf_counter()
         advantages = algo.prepare(rewards.to(mask.device), mask, inputs, old, ref)
-        per_row = {**inputs, "mask": mask * keep[:, None], **advantages, **self.logprob_rows(old, ref, batch)}
+        per_row = {**inputs, "mask": mask * keep[:, None], **advantages, **self.logprob_rows(old, ref, batch, stale)}
         algo.captured.clear()
         stats = algo.update(learner, per_row, step)
         old = old if old is not None else algo.captured[0]  # the update's own forward: the rollout policy's
-        times.append(time.perf_counter())
-        learner.sync_engine_model()
-        self.llm.update_weights(learner.engine_model)  # ZeRO-1/2 write through flat buckets: repack explicitly
-        times.append(time.perf_counter())
+        times["update"], mark = time.perf_counter() - mark, time.perf_counter()
+        self.rollouts.publish(step + 1, learner.engine_model)
+        times["sync"] = time.perf_counter() - mark
         record = self.record(rewards, mask, keep, old, ref, batch["engine_logprobs"], stats, times)
-        record.update(episode_metrics(episodes))
+        record.update(**figures, **episode_metrics(episodes), **self.overlap(start, times))
         return {**record, **metrics_since(learner.comm_metrics(), comm_before)}  # log-probs, updates, weight sync
 
-    def play(self, step: int) -> tuple[list[Episode], float]:
-        """The step's episodes, every rank's, and the seconds this rank spent in reward calls. A reward function
-        that fails (or a Ctrl-C while it runs) fails the step on every rank together, before any weight changed
-        (the harness saves the steps before it); so does a step whose episodes mostly fail."""
+    def staleness(self, episodes, mask, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """(stale tokens (B, T): sampled by older weights than the trainer's; rows to keep (B,); the staleness
+        figures) with ``--max-staleness``, else (None, None, {})."""
+        if self.config.max_staleness is None:
+            return None, None, {}
+        versions = token_versions(episodes, mask.shape[1], step).to(mask.device)
+        fresh, figures = staleness_figures(versions, mask, step, self.config.max_staleness)
+        figures["weight_swaps"] = float(self.rollouts.engine.num_swaps)  # type: ignore[union-attr]
+        return ((versions < step) & (mask != 0)).to(mask.dtype), fresh, figures
+
+    def overlap(self, start: float, times: dict[str, float]) -> dict[str, float]:
+        """With the producer: the step's wall time (since the last step ended), the trainer's own time, and
+        ``overlap``: (generate + score + train) / wall — 1 when nothing overlaps."""
+        end, last, self.last_step_end = time.perf_counter(), self.last_step_end, time.perf_counter()
+        if "wait_rollout" not in times:
+            return {}
+        wall, train = end - (last if last is not None else start), end - start - times["wait_rollout"]
+        played = times["generate"] + times["score"]
+        return {"time/step": wall, "time/train": train, "overlap": (played + train) / max(wall, 1e-9)}
+
+    def play(self, step: int, llm=None, token_versions=None) -> tuple[list[Episode], float]:
+        """The step's episodes, every rank's, and the seconds this rank spent in reward calls (on ``llm``, default
+        the run's; ``token_versions``: the producer's record of the version that sampled each token). A reward
+        function that fails (or a Ctrl-C while it runs) fails the step on every rank together, before any weight
+        changed (the harness saves the steps before it); so does a step whose episodes mostly fail."""
         c, figures, error = self.config, {}, None
         if self.num_train:  # a fixed set of tasks: epochs of a seeded order, as the prompts were drawn
             seeds = batch_indices(step, c.prompts_per_step, self.num_train, c.seed)
         else:  # procedural: a fresh seed per environment
             seeds = [sample_seed(c.seed, step, k) for k in range(c.prompts_per_step)]
         try:
-            mine = play_share(self.llm, self.make_env, seeds, step, c, self.dims, self.run.stop_requested, figures)
+            stop = self.run.stop_requested
+            mine = play_share(
+                llm or self.llm, self.make_env, seeds, step, c, self.dims, stop, figures, token_versions=token_versions
+            )
         except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
             error = e
         if any_rank(error is not None, self.dims is not None):
@@ -197,18 +245,23 @@ class RLJob:
             )
         return episodes, figures.get("batch_step_s", 0.0)
 
-    def logprob_rows(self, old, ref, batch) -> dict[str, torch.Tensor]:
-        """The per-row log-prob tensors the loss reads besides the algorithm's: reference, old policy, and the
-        truncated importance weights (or the engine's log-probs, when the loss computes them itself)."""
-        rows, engine_logprobs = {}, batch["engine_logprobs"]
+    def logprob_rows(self, old, ref, batch, stale=None) -> dict[str, torch.Tensor]:
+        """The per-row log-prob tensors the loss reads besides the algorithm's: reference, old (proximal) policy,
+        and the off-policy weights of :func:`~spinwheel.rl.llm.off_policy.off_policy_weights` — or, when the loss
+        computes them around its own log-probs, the engine's log-probs and the stale tokens."""
+        c, rows, engine_logprobs = self.config, {}, batch["engine_logprobs"]
         if ref is not None:
             rows["ref_logprobs"] = ref
+        any_stale = stale is not None and bool(stale.any())
         if old is not None:
             rows["old_logprobs"] = old
-            if self.config.tis_cap is not None:
-                rows["is_weights"] = truncated_is_weights(old, engine_logprobs, self.config.tis_cap)
-        elif self.config.tis_cap is not None:
+            weights = off_policy_weights(old, engine_logprobs, batch["mask"], stale, c.tis_cap, c.mis_cap)
+            if weights is not None:
+                rows["is_weights"] = weights
+        elif c.tis_cap is not None or c.mis_cap is not None or any_stale:
             rows["engine_logprobs"] = engine_logprobs
+            if any_stale:
+                rows["stale"] = stale
         return rows
 
     def record(self, rewards, mask, keep, old, ref, engine_logprobs, stats, times) -> dict[str, Any]:
@@ -225,8 +278,8 @@ class RLJob:
         if ref is not None:
             weights = token_weights(mask, "token-mean")
             record["kl_ref"] = float((weights * kl_per_token(old, ref, c.kl_estimator)).sum())
-        record.update({f"time/{p}": times[i + 1] - times[i] for i, p in enumerate(PHASES)})
-        record["tokens_per_s"] = float(mask.sum()) / (times[-1] - times[0])
+        record.update({f"time/{phase}": seconds for phase, seconds in times.items()})
+        record["tokens_per_s"] = float(mask.sum()) / max(sum(times.values()), 1e-9)
         record["engine_copy_mb"] = self.engine_copy_mb
         return record
 
@@ -239,7 +292,13 @@ class RLJob:
         if not self.learner.is_main or num == 0:
             return None
         seeds = list(range(num))
-        episodes = play_share(self.llm, self.make_env, seeds, -1, c, None, split="test", group_size=1, temperature=0.0)
+        if self.eval_llm is None:  # with the producer: an engine of its own, on the trainer's weights
+            self.eval_llm = LLM(self.learner.engine_model, self.tokenizer, **self.engine_options)
+        elif self.eval_llm is not self.llm:
+            self.eval_llm.update_weights(self.learner.engine_model)  # updated since the last evaluation
+        episodes = play_share(
+            self.eval_llm, self.make_env, seeds, -1, c, None, split="test", group_size=1, temperature=0.0
+        )
         episodes = [e for e in episodes if not e.failed]
         value = sum(e.reward for e in episodes) / max(1, len(episodes))
         figures = {f"eval_{k}": v for k, v in mean_info(episodes).items() if f"eval_{k}" != self.eval_key}

@@ -102,6 +102,7 @@ def play_share(
     split: str = "train",
     group_size: int | None = None,
     temperature: float | None = None,
+    token_versions: Callable[[str, int, int], list[int]] | None = None,
 ) -> list[Episode]:
     """This data-parallel rank's share of the step's groups (environment ``seeds[k]`` is group k, G episodes each),
     played on ``llm``'s engine; gather them with :func:`~spinwheel.rl.llm.rollout.gather_dp`."""
@@ -117,4 +118,4 @@ def play_share(
         env_timeout_s=config.env_timeout_s,
         batch_timeout_s=config.reward_timeout_s,
     )
-    return run_episodes(llm.engine, groups, episode_config, config.seed, step, should_stop, figures)
+    return run_episodes(llm.engine, groups, episode_config, config.seed, step, should_stop, figures, token_versions)

@@ -20,11 +20,14 @@ import torch
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 from spinwheel.rl.llm.algorithms.base import Algorithm
+from spinwheel.rl.llm.off_policy import off_policy_weights
 from spinwheel.rl.llm.token_advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
-from spinwheel.rl.llm.token_losses import grpo_loss, truncated_is_weights
+from spinwheel.rl.llm.token_losses import grpo_loss
 
 # The clipped-surrogate options every member of the family takes.
 SURROGATE = frozenset({"beta", "eps_low", "eps_high", "epochs", "minibatches", "tis_cap", "loss_agg"})
+# Asynchronous rollouts and their sequence-level correction (token-level IS weights on the surrogate).
+ASYNC = frozenset({"max_staleness", "mis_cap"})
 
 
 class GroupPolicyGradient(Algorithm):
@@ -48,8 +51,9 @@ class GroupPolicyGradient(Algorithm):
         old, is_weights = mb.get("old_logprobs"), mb.get("is_weights")
         if old is None:
             old = out.logprobs.detach()
-            if c.tis_cap is not None:
-                is_weights = truncated_is_weights(old, mb["engine_logprobs"], c.tis_cap)
+            if "engine_logprobs" in mb:  # off-policy weights around the update's own (proximal) log-probs
+                live = mb["weights"] != 0
+                is_weights = off_policy_weights(old, mb["engine_logprobs"], live, mb.get("stale"), c.tis_cap, c.mis_cap)
         loss, stats = self.token_loss(out.logprobs, old, mb, is_weights)
         if out.entropy is not None:
             stats["entropy"] = (mb["weights"] * out.entropy).sum()
@@ -78,13 +82,13 @@ class GroupPolicyGradient(Algorithm):
 class GRPO(GroupPolicyGradient):
     name = "grpo"
     summary = "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts"
-    options = SURROGATE | {"kl_estimator", "scale_rewards"}
+    options = SURROGATE | ASYNC | {"kl_estimator", "scale_rewards"}
 
 
 class RLOO(GroupPolicyGradient):
     name = "rloo"
     summary = "RLOO (leave-one-out baseline) on engine rollouts"
-    options = SURROGATE | {"kl_estimator"}
+    options = SURROGATE | ASYNC | {"kl_estimator"}
 
     def advantages(self, rewards, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
         return rloo_advantages(rewards, self.config.group_size)[:, None] * mask
@@ -93,7 +97,7 @@ class RLOO(GroupPolicyGradient):
 class ReinforcePP(GroupPolicyGradient):
     name = "reinforce-pp"
     summary = "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts"
-    options = SURROGATE
+    options = SURROGATE | ASYNC
     kl_in_loss = False
 
     @property

@@ -1,0 +1,254 @@
+"""Where a step's episodes come from: played now, on the trainer's own weights (:class:`SyncRollouts`, the
+synchronous loop), or by a producer thread that runs ahead of the trainer (:class:`RolloutProducer`, ``--max-staleness
+K``), as AReaL and PipelineRL overlap generation with training.
+
+The asynchronous schedule, in one process. *Version* v names the weights after v updates, which the synchronous loop
+samples step v with. The producer plays step s once version ``s − K`` is published (:class:`WeightBox`), on an engine
+that holds its own copy of the weights, and hands finished step batches to the trainer through a queue of at most
+K + 1. After each update the trainer publishes version v + 1 (a detached copy); the producer loads it between two
+engine steps without stopping (:class:`VersionedEngine`: PipelineRL's in-flight update — running sequences go on
+under the new weights with the KV their prefix computed under the old ones, "stale KV"; a prefix block registered in
+the prefix cache before the swap may serve a later request too) and records for every sampled token the version
+that sampled it. At training step s a token of version v is ``s − v`` versions stale; an episode whose oldest token
+is more than K stale is dropped and counted (:func:`staleness_figures`). With K = 0 the producer waits for version s
+before it samples step s: the synchronous run, bit for bit.
+
+On resume the producer starts again at the checkpoint's step from the checkpoint's weights: what it had played
+ahead is played again (for K = 0, exactly as the uninterrupted run did).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spinwheel.rl.llm.episode_tokens import Episode
+
+POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
+
+
+@dataclass
+class Rollout:
+    """One step's episodes and the seconds spent on them: ``generate`` (sampling and environments), ``score``
+    (reward calls), and for the producer ``wait_weights`` (it waited for the version it needed) and
+    ``wait_rollout`` (the trainer waited for this batch)."""
+
+    step: int
+    episodes: list[Episode]
+    times: dict[str, float] = field(default_factory=dict)
+
+
+Play = Callable[..., tuple[list[Episode], float]]  # (step, llm=, token_versions=) -> (episodes, reward seconds)
+
+
+class SyncRollouts:
+    """The synchronous loop: the step's episodes are played when the trainer asks, on the engine that shares (or
+    gathers) the trainer's weights; after the update the engine takes the new weights."""
+
+    def __init__(self, play: Play, sync: Callable[[], None]) -> None:
+        self.play, self.sync = play, sync
+
+    def take(self, step: int) -> Rollout:
+        start = time.perf_counter()
+        episodes, score_s = self.play(step)
+        return Rollout(step, episodes, {"generate": time.perf_counter() - start - score_s, "score": score_s})
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        self.sync()
+
+    def close(self) -> None:
+        pass
+
+
+class Closed(Exception):
+    """The producer was closed while it waited."""
+
+
+class WeightBox:
+    """The newest weights the trainer published and their version; a waiter blocks until a version arrives."""
+
+    def __init__(self, version: int) -> None:
+        self._cond = threading.Condition()
+        self.version, self.state, self.closed = version, None, False
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        """Copy ``model``'s weights (the trainer goes on updating its own in place) as ``version``."""
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+        with self._cond:
+            self.version, self.state = version, state
+            self._cond.notify_all()
+
+    def latest(self) -> tuple[int, dict[str, torch.Tensor] | None]:
+        with self._cond:
+            return self.version, self.state
+
+    def wait_for(self, version: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.closed or self.version >= version)
+            if self.closed:
+                raise Closed
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class VersionedEngine:
+    """The producer's engine: before each step it loads the newest published weights (running sequences keep
+    their KV) and it keeps, per request, the version its tokens started under and the output length of each
+    sample at every later swap — what :meth:`token_versions` turns into one version per sampled token."""
+
+    def __init__(self, engine: Any, box: WeightBox, version: int) -> None:
+        self.inner, self.box, self.version = engine, box, version
+        self.num_swaps = 0
+        self._start: dict[str, int] = {}  # request id -> the version current when it was added
+        self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (id, sample) -> [(tokens before, version)]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
+        self._start[request_id] = self.version
+        self.inner.add_request(request_id, prompt, params, arrival_time)
+
+    def step(self, stream: bool = True) -> list:
+        version, state = self.box.latest()
+        if version > self.version and state is not None:
+            self._mark(version)
+            self.inner.update_weights(state)  # copies into the engine's weights; drops the prefix cache
+            self.version, self.num_swaps = version, self.num_swaps + 1
+        return self.inner.step(stream)
+
+    def _mark(self, version: int) -> None:
+        """Record, for every unfinished request, where the new version's tokens begin."""
+        sch = self.inner.scheduler
+        for group in [*sch.running, *sch.swapped, *sch.waiting]:
+            if all(s.num_output_tokens == 0 for s in group.seqs):  # nothing sampled yet (forks come later)
+                self._start[group.request_id] = version
+                continue
+            for s in group.seqs:
+                self._marks.setdefault((group.request_id, s.index), []).append((s.num_output_tokens, version))
+
+    def token_versions(self, request_id: str, index: int, num_tokens: int) -> list[int]:
+        """The version that sampled each of the ``num_tokens`` tokens of sample ``index`` of a finished request."""
+        versions = [self._start[request_id]] * num_tokens
+        for before, version in self._marks.pop((request_id, index), []):
+            versions[before:] = [version] * (num_tokens - before)
+        return versions
+
+    def forget(self) -> None:
+        self._start.clear()
+        self._marks.clear()
+
+
+class RolloutProducer:
+    """The producer thread (module docstring): plays steps ``first .. end − 1`` with ``play``, each once version
+    ``step − max_ahead`` is published; :meth:`take` hands the trainer the next batch (or raises what the producer
+    raised: a failed step fails the trainer's step, before any weight changed)."""
+
+    def __init__(self, play: Play, engine: Any, first: int, end: int, max_ahead: int) -> None:
+        self.play, self.first, self.end, self.max_ahead = play, first, end, max_ahead
+        self.box = WeightBox(first)
+        self.engine = VersionedEngine(engine, self.box, first)
+        self.queue: queue.Queue = queue.Queue(maxsize=max_ahead + 1)
+        self.num_threads = torch.get_num_threads()  # a thread's own count (OpenMP): the producer takes the trainer's
+        self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self.started = False
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)
+        llm = _EngineRef(self.engine)
+        try:
+            for step in range(self.first, self.end):
+                start = time.perf_counter()
+                self.box.wait_for(step - self.max_ahead)
+                ready = time.perf_counter()
+                episodes, score_s = self.play(step, llm=llm, token_versions=self.engine.token_versions)
+                self.engine.forget()
+                played = time.perf_counter() - ready
+                times = {"generate": played - score_s, "score": score_s, "wait_weights": ready - start}
+                self._put(Rollout(step, episodes, times))
+        except Closed:
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it in its step
+            self._put(e)
+
+    def _put(self, item: Rollout | BaseException) -> None:
+        while not self.box.closed:
+            try:
+                self.queue.put(item, timeout=POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def take(self, step: int) -> Rollout:
+        if not self.started:  # lazily: the run's first evaluation has the machine to itself
+            self.thread.start()
+            self.started = True
+        start = time.perf_counter()
+        while True:
+            try:
+                item = self.queue.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("the rollout producer stopped without a batch (a bug)") from None
+        if isinstance(item, BaseException):
+            raise item
+        if item.step != step:
+            raise RuntimeError(f"the rollout producer handed step {item.step} for step {step} (a bug)")
+        item.times["wait_rollout"] = time.perf_counter() - start
+        return item
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        self.box.publish(version, model)
+
+    def close(self) -> None:
+        self.box.close()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+
+
+@dataclass
+class _EngineRef:
+    """What :func:`~spinwheel.rl.llm.run_envs.play_share` plays on: an object with ``.engine``."""
+
+    engine: Any
+
+
+def token_versions(episodes: list[Episode], width: int, step: int) -> torch.Tensor:
+    """(B, T) long: the version that sampled each label position (``width`` = T), ``step`` where the episode
+    recorded none (the synchronous loop) and off the sampled tokens."""
+    rows = torch.full((len(episodes), width), step, dtype=torch.long)
+    for i, e in enumerate(episodes):
+        positions = [j - 1 for j, m in enumerate(e.mask) if m and j >= 1]
+        if e.versions and len(e.versions) == len(positions):
+            rows[i, positions] = torch.tensor(e.versions, dtype=torch.long)
+    return rows
+
+
+def staleness_figures(
+    versions: torch.Tensor, mask: torch.Tensor, step: int, max_staleness: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(keep (B,): 0 for the rows whose oldest sampled token is more than ``max_staleness`` versions behind
+    ``step``, and the figures: ``dropped_samples``, ``staleness_mean`` / ``staleness_max`` over the kept tokens and
+    ``staleness/<k>`` the share of kept tokens k versions behind)."""
+    behind = (step - versions).clamp(min=0) * (mask != 0)  # (B, T)
+    keep = (behind.amax(1) <= max_staleness).to(mask.dtype)
+    trained = (mask != 0) & (keep[:, None] != 0)
+    values = behind[trained]
+    figures = {"dropped_samples": float((keep == 0).sum())}
+    if values.numel():
+        figures.update(staleness_mean=float(values.float().mean()), staleness_max=float(values.max()))
+        for k, n in zip(*torch.unique(values, return_counts=True)):
+            figures[f"staleness/{int(k)}"] = float(n) / values.numel()
+    return keep, figures
