@@ -12,7 +12,8 @@ Train it with spinwheel (the policy served on a local base URL, every call's tok
     episodes = play_agent_episodes(llm, agent, tasks(8), group_size=4)
 
 Each call's prompt is the previous prompt, the model's text and the tool's answer, so the calls chain into one
-token sequence (spinwheel trains on exactly the tokens the engine sampled).
+token sequence (spinwheel trains on exactly the tokens the engine sampled). :func:`chat_agent` does the same through
+chat completions.
 """
 
 from __future__ import annotations
@@ -75,6 +76,30 @@ def agent(client, task: dict) -> float:
         value = calculate(call.group(1))
         prompt += text + ("=error\n" if value is None else f"={value}\n")
     return 0.0  # still calling the tool at the last turn
+
+
+def chat_agent(client, task: dict) -> float:
+    """:func:`agent` through chat completions: the problem as the user's message, each tool result as the next user
+    message. The chat template re-renders the history each call; where it renders the model's text to the tokens
+    the model sampled, the calls chain into one episode (spinwheel counts the calls that do not)."""
+    a, b = task["a"], task["b"]
+    messages = [{"role": "user", "content": f"{a}*{b}="}]
+    for _ in range(task.get("max_turns", 3)):
+        response = client.chat.completions.create(
+            model=task.get("model", "policy"),
+            messages=messages,
+            max_tokens=task.get("max_tokens", 24),
+            temperature=task.get("temperature", 1.0),
+            stop=["</calc>"],
+            extra_body={"include_stop_str_in_output": True},
+        )
+        text = response.choices[0].message.content or ""
+        call = CALL.search(text)
+        if call is None:
+            return reward(text, a * b)
+        value = calculate(call.group(1))
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"={value}"}]
+    return 0.0
 
 
 def tasks(num: int, seed: int = 0, left_digits: int = 3, right_digits: int = 2) -> list[dict]:

@@ -154,6 +154,26 @@ def test_failing_agents_are_counted_and_the_engine_is_left_idle(llm):
     assert split[0].token_ids[: len(TOK.encode("xyz"))] == TOK.encode("xyz")  # the last segment is trained
 
 
+def test_chat_calls_chain_when_the_template_renders_the_sampled_tokens(llm):
+    ab = {str(TOK.encode(ch, add_special_tokens=False)[0]): 100 for ch in "ab"}  # only a and b: text round-trips
+
+    def chat(client, task):
+        messages = [{"role": "user", "content": "hi"}]
+        for _ in range(2):
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=4, logit_bias=ab)
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "=7"},
+            ]
+        return 1.0
+
+    (e,) = play_agent_episodes(llm, chat, [{}], 1)
+    assert not e.failed and e.info["agent_segments"] == 1 and sum(e.mask) == 8
+    opened = TOK.encode(TOK.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False)
+    assert e.token_ids[: len(opened)] == opened and e.prompt_len == len(opened)
+    assert set(TOK.decode([t for t, m in zip(e.token_ids, e.mask) if m])) <= {"a", "b"}
+
+
 def test_load_agent_one_line_errors():
     assert load_agent(f"{EXAMPLE}:agent").__name__ == "agent"
     assert load_agent("spinwheel.rl.llm.agent_proxy:load_agent") is load_agent
@@ -170,8 +190,9 @@ def test_calculator_agent_and_grpo_on_recorded_episodes_raises_the_reward():
     spec.loader.exec_module(calc)
     assert calc.calculate("317*46") == 14582 and calc.calculate("__import__('os')") is None
     llm = _llm(seed=11)
-    eps = play_agent_episodes(llm, calc.agent, calc.tasks(2), 2, config=AgentConfig(timeout_s=30))
-    assert len(eps) == 4 and not any(e.failed for e in eps) and all(e.num_turns >= 1 for e in eps)
+    for agent in (calc.agent, calc.chat_agent):
+        eps = play_agent_episodes(llm, agent, calc.tasks(2), 2, config=AgentConfig(timeout_s=30))
+        assert len(eps) == 4 and not any(e.failed for e in eps) and all(e.num_turns >= 1 for e in eps)
 
     def digits(client, task):
         text = client.completions.create(model="m", prompt=task["p"], max_tokens=6).choices[0].text
