@@ -166,6 +166,14 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
     add_arguments(p, PlacementConfig)
     add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"}, group="engine")
+    p.add_argument(
+        "--tp",
+        dest="engine_tensor_parallel_size",
+        type=int,
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="tensor-parallel degree (short for --engine-tensor-parallel-size)",
+    )
 
 
 def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -118,3 +118,12 @@ def test_swap_preemption_equals_one_device(engines):
     finally:
         tp.close()
         one.close()
+
+
+def test_tp_option_of_serve_and_generate():
+    from spinwheel.cli import _engine_from_args, build_parser
+
+    parser = build_parser()
+    for command in (["serve", "--model", "test"], ["generate", "--model", "test", "--prompt", "x"]):
+        assert _engine_from_args(parser.parse_args([*command, "--tp", "2"])).tensor_parallel_size == 2
+        assert _engine_from_args(parser.parse_args(command)).tensor_parallel_size == 1

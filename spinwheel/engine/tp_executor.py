@@ -17,10 +17,12 @@ or kills the others. A process that already has a default process group (a ``tor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
 import pickle
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -36,6 +38,19 @@ logger = logging.getLogger(__name__)
 
 TP_TIMEOUT_S = 60.0  # longest wait of a collective (and of the workers' start-up)
 _PRELOAD = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine"]
+
+
+@contextlib.contextmanager
+def _may_have_children() -> Iterator[None]:
+    """Let a daemonic process (``spinwheel serve``'s engine process) start the workers, which multiprocessing
+    refuses by default: they are daemons of their own, ended with it (and on its death by their closed pipe)."""
+    config = mp.current_process()._config  # type: ignore[attr-defined]
+    daemonic = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemonic
 
 
 class TensorParallelError(RuntimeError):
@@ -69,18 +84,12 @@ class TPExecutor:
         backend = "nccl" if model.device.type == "cuda" else "gloo"
         runner_config = pool_sizes(config, model.config, model.dtype, max_model_len)
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
         init = f"tcp://127.0.0.1:{free_port()}"
         self.procs, self.conns = [], []
-        for rank in range(1, tp):
-            parent, child = ctx.Pipe()
-            args = (rank, tp, init, backend, timeout_s, child, model.config, state, runner_config, max_model_len)
-            proc = ctx.Process(target=worker_main, args=args, daemon=True, name=f"spinwheel-tp-worker-{rank}")
-            proc.start()
-            child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
+        with _may_have_children():
+            for rank in range(1, tp):
+                args = (rank, tp, init, backend, timeout_s, model.config, state, runner_config, max_model_len)
+                self._start_worker(rank, args)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=tp, timeout=timeout)
         self.axis, self.comm = Axis("tp", tuple(range(tp)), 0, dist.group.WORLD), Comm(timeout_s)
@@ -94,6 +103,18 @@ class TPExecutor:
                 raise TensorParallelError(f"tensor-parallel worker {rank} did not start within {timeout_s:.0f}s")
             self.memory.append(conn.recv())
         logger.info("tensor-parallel engine: %d ranks (%s), per-rank memory %s", tp, backend, self.memory)
+
+    def _start_worker(self, rank: int, args: tuple) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=worker_main, args=(*args[:5], child, *args[5:]), daemon=True, name=f"tp-worker-{rank}"
+        )
+        proc.start()
+        child.close()  # the worker's end lives in the worker only: the driver's death closes the pipe
+        self.procs.append(proc)
+        self.conns.append(parent)
 
     def _dead(self) -> str | None:
         for rank, proc in enumerate(self.procs, 1):

@@ -28,6 +28,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any
 
 from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
 from spinwheel.engine.isolation import INTERNAL_ERROR
+from spinwheel.engine.tp_executor import TensorParallelError
 from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -201,6 +203,10 @@ class EngineCore:
             t0 = time.monotonic()
             try:
                 groups = engine.step_groups(stream=True)
+            except TensorParallelError as e:  # a worker is gone: exit, so the server fails the requests and restarts
+                print(f"spinwheel serve: engine process exits: {e}", file=sys.stderr, flush=True)
+                engine.executor.close()  # type: ignore[union-attr]
+                raise SystemExit(1) from None
             except Exception as e:  # an engine bug on some input: fail the requests in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(EngineStepError(f"the engine failed on this batch: {e!r}"))
