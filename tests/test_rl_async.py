@@ -126,3 +126,45 @@ def test_algorithms_that_refuse_asynchronous_rollouts():
         RLConfig(algo="trpo", max_staleness=1)
     RLConfig(algo="cispo", max_staleness=1)
     RLConfig(algo="ppo", max_staleness=0)
+
+
+def test_in_flight_update_records_the_version_that_sampled_each_token():
+    """New weights published mid-generation are loaded between two engine steps, the running samples go on (their
+    KV kept); the tokens before the swap carry version 0 and are exactly what the old weights give them, those after
+    it carry version 1 and are not."""
+    import copy
+
+    from spinwheel.engine import LLM, SamplingParams
+    from spinwheel.models.tokenizer import Tokenizer
+    from spinwheel.rl.llm.async_rollouts import VersionedEngine
+
+    tok = Tokenizer.char_level()
+    old = load_model("test", seed=0, vocab_size=tok.vocab_size)
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    box = WeightBox(0)
+    engine = VersionedEngine(LLM(copy.deepcopy(old), tok).engine, box, 0)
+    prompt = tok.encode("12+34=")
+    engine.add_request("r", prompt, SamplingParams(n=2, max_tokens=10, ignore_eos=True, seed=3, logprobs=0))
+    outputs = {}
+    for k in range(40):
+        if k == 4:
+            box.publish(1, new)
+        for out in engine.step(stream=False):
+            outputs.update({c.index: c for c in out.outputs})
+        if len(outputs) == 2:
+            break
+    assert engine.num_swaps == 1
+    for index, c in outputs.items():
+        versions = engine.token_versions("r", index, len(c.token_ids))
+        assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1  # the swap is mid-sequence
+        ids = torch.tensor([prompt + list(c.token_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(old(ids[:, :-1]).float(), -1)[0, len(prompt) - 1 :]
+        under_old = logp.gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        engine_lp = torch.tensor([lp[t] for t, lp in zip(c.token_ids, c.logprobs)])
+        before = torch.tensor(versions) == 0
+        torch.testing.assert_close(engine_lp[before], under_old[before], rtol=1e-4, atol=1e-4)
+        assert (engine_lp[~before] - under_old[~before]).abs().max() > 1e-2
