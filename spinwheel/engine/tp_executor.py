@@ -37,7 +37,7 @@ from spinwheel.parallel.mesh import Axis
 logger = logging.getLogger(__name__)
 
 TP_TIMEOUT_S = 60.0  # longest wait of a collective (and of the workers' start-up)
-_PRELOAD = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine"]
+_PRELOAD = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine", "spinwheel.engine.tp_worker"]
 
 
 @contextlib.contextmanager

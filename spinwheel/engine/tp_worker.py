@@ -25,6 +25,7 @@ import torch
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
+from spinwheel.engine.multi_lora import AdapterRegistry
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import RotaryEmbedding, Transformer
 from spinwheel.parallel.comm import Comm
@@ -115,6 +116,11 @@ def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
     return dataclasses.replace(config, num_kv_blocks=blocks, num_cpu_blocks=cpu, cpu_packed_weights=False)
 
 
+class _NoAdapters(AdapterRegistry):
+    def add(self, name: str, path) -> None:
+        raise NotImplementedError("LoRA adapters are not served under tensor parallelism yet (issue 26)")
+
+
 class TPModelRunner(ModelRunner):
     """A :class:`ModelRunner` over a model shard: the same step on every rank, the logits gathered over the TP axis.
 
@@ -126,6 +132,7 @@ class TPModelRunner(ModelRunner):
     ) -> None:
         super().__init__(model, config, max_model_len)
         self.axis, self.comm, self.executor = axis, comm, executor
+        self.loras = _NoAdapters(model)
 
     @torch.inference_mode()
     def run(self, out) -> StepLogits | None:
