@@ -11,6 +11,11 @@ Train it with spinwheel (the policy served on a local base URL, every call's tok
     agent = load_agent("examples/calculator_agent.py:agent")
     episodes = play_agent_episodes(llm, agent, tasks(8), group_size=4)
 
+or as a command (a short GRPO run, held-out success before and after)::
+
+    python -m spinwheel.rl.llm.agent_train --model runs/agent-sft/checkpoint \\
+        --agent examples/calculator_agent.py:agent --tasks examples/calculator_agent.py:task
+
 Each call's prompt is the previous prompt, the model's text and the tool's answer, so the calls chain into one
 token sequence (spinwheel trains on exactly the tokens the engine sampled). :func:`chat_agent` does the same through
 chat completions.
@@ -110,3 +115,12 @@ def tasks(num: int, seed: int = 0, left_digits: int = 3, right_digits: int = 2) 
         {"a": rng.randint(lo_a, 10 * lo_a - 1), "b": rng.randint(lo_b, 10 * lo_b - 1), "seed": seed * 100_003 + i}
         for i in range(num)
     ]
+
+
+def task(seed: int, split: str = "train") -> dict:
+    """Task ``seed`` of a split, the ``calculator`` environment's problem for that seed (its train and test splits
+    never share a problem)."""
+    from spinwheel.envs.calculator import CalculatorEnv
+
+    a, b = CalculatorEnv(split).problem(seed)
+    return {"a": a, "b": b, "seed": seed}

@@ -17,10 +17,9 @@ import spinwheel
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.rl.llm.agent_calls import ModelCall, chain_calls
 from spinwheel.rl.llm.agent_proxy import AgentConfig, agent_metrics, load_agent, play_agent_episodes
+from spinwheel.rl.llm.agent_train import grpo_step, main
 from spinwheel.rl.llm.episode_tokens import episode_batch, episode_metrics, episode_rewards
 from spinwheel.rl.llm.episodes import turn_seed
-from spinwheel.rl.llm.token_advantages import group_advantages
-from spinwheel.rl.llm.token_losses import grpo_loss, token_weights
 from spinwheel.train.learners import LocalLearner, OptimConfig
 
 TOK = spinwheel.Tokenizer.char_level()
@@ -199,20 +198,17 @@ def test_calculator_agent_and_grpo_on_recorded_episodes_raises_the_reward():
         more = client.completions.create(model="m", prompt=task["p"] + text + ";", max_tokens=6).choices[0].text
         return sum(ch.isdigit() for ch in text + more) / 12
 
-    lr = 0.1
-    learner = LocalLearner(llm.model, OptimConfig(lr=lr))
+    learner = LocalLearner(llm.model, OptimConfig(lr=0.1))
     tasks, group, means = [{"p": "a"}, {"p": "b"}, {"p": "c"}, {"p": "d"}], 4, []
     for step in range(5):
         eps = play_agent_episodes(llm, digits, tasks, group, seed=1, step=step)
-        rewards, keep = episode_rewards(eps, group)
-        means.append(float(rewards.mean()))
-        batch = episode_batch(eps, TOK.pad_id)
-        inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
-        old = learner.forward(inputs)["logprobs"]
-        advantages = group_advantages(rewards, group)
-        weights = token_weights(batch["mask"] * keep[:, None], "seq-mean-token-mean")
-        for _ in range(2):
-            loss = lambda out, b, old=old, a=advantages, w=weights: grpo_loss(out.logprobs, old, a, w)  # noqa: E731
-            learner.train_step(inputs, loss, lr=lr)
+        figures = grpo_step(learner, eps, group, lr=0.1, updates=2, pad=TOK.pad_id)
         llm.update_weights(llm.model)
+        means.append(figures["episode_reward_mean"])
+        assert figures["mismatch_max"] < 1e-4 and figures["agent_calls_mean"] == 2
     assert means[-1] > means[0] + 0.2, means
+
+
+def test_agent_train_command_bad_agent_is_one_line():
+    with pytest.raises(SystemExit, match="agent_train: error: --agent 'nope:f': cannot import nope"):
+        main(["--model", "test", "--agent", "nope:f", "--tasks", f"{EXAMPLE}:task"])
