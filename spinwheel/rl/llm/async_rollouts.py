@@ -13,6 +13,9 @@ that sampled it. At training step s a token of version v is ``s − v`` versions
 is more than K stale is dropped and counted (:func:`staleness_figures`). With K = 0 the producer waits for version s
 before it samples step s: the synchronous run, bit for bit.
 
+With K >= 1 the producer and the trainer each take half the torch threads (they compute at once; on a shared CPU
+more threads than cores only spin at OpenMP barriers).
+
 On resume the producer starts again at the checkpoint's step from the checkpoint's weights: what it had played
 ahead is played again (for K = 0, exactly as the uninterrupted run did).
 """
@@ -158,7 +161,10 @@ class RolloutProducer:
         self.box = WeightBox(first)
         self.engine = VersionedEngine(engine, self.box, first)
         self.queue: queue.Queue = queue.Queue(maxsize=max_ahead + 1)
-        self.num_threads = torch.get_num_threads()  # a thread's own count (OpenMP): the producer takes the trainer's
+        # A thread's own count (OpenMP). K = 0 never overlaps: the producer takes the trainer's count (the same
+        # numerics as the synchronous loop); K >= 1 splits the threads between the two, which run at once.
+        self.trainer_threads = torch.get_num_threads()
+        self.num_threads = self.trainer_threads if max_ahead == 0 else max(1, self.trainer_threads // 2)
         self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self.started = False
 
@@ -190,6 +196,8 @@ class RolloutProducer:
 
     def take(self, step: int) -> Rollout:
         if not self.started:  # lazily: the run's first evaluation has the machine to itself
+            if self.max_ahead > 0:
+                torch.set_num_threads(max(1, self.trainer_threads - self.num_threads))
             self.thread.start()
             self.started = True
         start = time.perf_counter()
@@ -216,6 +224,8 @@ class RolloutProducer:
             self.queue.get_nowait()
         if self.thread.is_alive():
             self.thread.join(timeout=30)
+        if self.started:
+            torch.set_num_threads(self.trainer_threads)
 
 
 @dataclass
