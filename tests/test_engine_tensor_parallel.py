@@ -56,7 +56,14 @@ def test_greedy_equals_one_device_with_chunks_prefix_cache_and_preemption(engine
     tp, one = engines
     prompts, lengths = _workload(0)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    executor = tp.engine.executor
+    calls, forwards = dict(executor.comm.stats.calls), executor.forwards
     assert _tokens(tp, prompts, params) == _tokens(one, prompts, params)
+    # per forward: one all-reduce after each attention and each MLP, one for the vocab-parallel embedding; the
+    # logits gathered once
+    steps, layers = executor.forwards - forwards, tp.model.config.num_hidden_layers
+    assert executor.comm.stats.calls["all_reduce"] - calls.get("all_reduce", 0) == steps * (2 * layers + 1)
+    assert executor.comm.stats.calls["all_gather"] - calls.get("all_gather", 0) == steps
     sched = tp.engine.scheduler
     assert sched.num_preemptions > 0 and sched.num_preemptions == one.engine.scheduler.num_preemptions
     assert tp.engine.block_manager.num_prefix_hit_tokens > 0

@@ -81,6 +81,7 @@ class TPExecutor:
                 "(a torchrun job?): run the tensor-parallel engine in a process of its own"
             )
         self.tp, self.failure = tp, None
+        self.forwards = 0  # steps sent that run the model (the others only move blocks)
         backend = "nccl" if model.device.type == "cuda" else "gloo"
         runner_config = pool_sizes(config, model.config, model.dtype, max_model_len)
         state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -128,6 +129,7 @@ class TPExecutor:
             self.failure = self._dead()
         if self.failure is not None:
             raise TensorParallelError(f"{self.failure}; the engine cannot continue: close it")
+        self.forwards += step.inputs is not None
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
