@@ -104,6 +104,8 @@ def test_tp_degree_must_divide_heads_before_anything_starts():
         LLM(tiny_engine_model(128), tensor_parallel_size=4, **CONFIG)
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(tiny_engine_model(128), tensor_parallel_size=3, **CONFIG)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM("test", tensor_parallel_size=3)  # from the preset's config, before any weight exists
     assert len(multiprocessing.active_children()) == before
 
 

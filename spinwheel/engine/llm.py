@@ -17,6 +17,7 @@ from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.llm_engine import EngineStats, LLMEngine
 from spinwheel.engine.outputs import RequestOutput
 from spinwheel.engine.sampling_params import SamplingParams
+from spinwheel.engine.tp_worker import check_checkpoint_tp_degree
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 
@@ -30,6 +31,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; EngineConfig has {sorted(names)}")
         config = EngineConfig(**engine_config)
+        if config.tensor_parallel_size > 1 and not isinstance(model_or_path, Transformer):
+            check_checkpoint_tp_degree(model_or_path, config.tensor_parallel_size)  # before loading the weights
         if isinstance(model_or_path, Transformer):
             self.engine = LLMEngine(model_or_path, tokenizer, config)
         else:

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -48,6 +49,20 @@ def check_tp_degree(config: ModelConfig, tp: int) -> None:
     bad = [f"{name} ({n})" for name, n in parts.items() if n % tp]
     if bad:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {' and '.join(bad)}")
+
+
+def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> None:
+    """:func:`check_tp_degree` on a checkpoint's ``config.json`` or a preset's config, before any weight is read."""
+    from spinwheel.models.hf import load_config
+    from spinwheel.models.hub import resolve_model_path
+    from spinwheel.models.presets import PRESETS, preset_config
+    from spinwheel.models.tokenizer import Tokenizer
+
+    path = Path(resolve_model_path(path_or_preset))
+    if (path / "config.json").is_file():
+        check_tp_degree(load_config(path), tp)
+    elif str(path_or_preset) in PRESETS and not path.exists():
+        check_tp_degree(preset_config(str(path_or_preset), Tokenizer.char_level().vocab_size), tp)
 
 
 @dataclass
