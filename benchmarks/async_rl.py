@@ -8,14 +8,16 @@ apiece, in one process, and what the overlap leaves to gain.
 Both runs use the same model, prompts, reward (the task's exact match), seed and options; the demo's GRPO settings
 (G = 8, 8 new tokens, lr 1e-4) unless given. A step's wall time runs from one step's end to the next (the
 harness's own bookkeeping included); the first ``--warmup`` steps are left out (the producer starts, the engine
-warms up) and steps/s is ``steps / (t_last − t_first)``. Also printed: each run's mean phase times (generate =
-sampling, train = log-probs + update + sync), the asynchronous run's ``overlap`` ((generate + score + train) / wall:
-1 when nothing overlaps) and the share of trained tokens 0 and 1 versions stale.
+warms up) and steps/s is ``steps / (t_last − t_first)``; the process's CPU seconds over the same steps say whether
+the machine had the cores to spare (on a loaded machine both runs are CPU-bound and overlap buys nothing). Also
+printed: each run's mean phase times (generate = sampling, train = log-probs + update + sync), the asynchronous run's
+``overlap`` ((generate + score + train) / wall: 1 when nothing overlaps) and the share of trained tokens 0 and 1
+versions stale.
 
-On a machine with C cores the synchronous loop runs each phase on all of them; the producer and the trainer share
-them, so the gain is bounded by how much faster two phases on C/2 cores each run than one after the other on C
-(on 2 cores torch's 2-thread speed-up is ≈ 1.3–1.6×: at most ≈ 1.25–1.5× with equal phases, less when one
-dominates).
+On a machine with C cores the synchronous loop runs each phase on all of them; the producer and the trainer split
+them (C/2 threads each), so the gain is bounded by how much faster two phases on C/2 cores each run than one after
+the other on C (on 2 cores torch's 2-thread speed-up is ≈ 1.3–1.6×: at most ≈ 1.25–1.5× with equal phases, less
+when one dominates).
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ from spinwheel.rl.llm import RLConfig, train_rl  # noqa: E402
 from spinwheel.tasks.arithmetic import ArithmeticConfig  # noqa: E402
 
 
-def timed_run(args: argparse.Namespace, out: Path, max_staleness: int | None) -> tuple[float, list[dict]]:
-    """(steady-state steps/s, the per-step records) of one run."""
-    ends: list[float] = []
+def timed_run(args: argparse.Namespace, out: Path, max_staleness: int | None) -> tuple[float, float, list[dict]]:
+    """(steady-state steps/s, the process's CPU seconds a step over the same steps, the per-step records) of one
+    run."""
+    ends: list[tuple[float, float]] = []
     step = loop.RLJob.step
 
     def timed(self, s):
         record = step(self, s)
-        ends.append(time.perf_counter())
+        ends.append((time.perf_counter(), time.process_time()))
         return record
 
     loop.RLJob.step = timed
@@ -65,8 +68,9 @@ def timed_run(args: argparse.Namespace, out: Path, max_staleness: int | None) ->
         result = train_rl(config)
     finally:
         loop.RLJob.step = step
-    steady = ends[args.warmup - 1 :]
-    return (len(steady) - 1) / (steady[-1] - steady[0]), result["history"]
+    (wall0, cpu0), (wall1, cpu1) = ends[args.warmup - 1], ends[-1]
+    num = len(ends) - args.warmup
+    return num / (wall1 - wall0), (cpu1 - cpu0) / num, result["history"]
 
 
 def mean(records: list[dict], key: str) -> float:
@@ -85,15 +89,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the default, one per core)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rates, histories = {}, {}
+        rates, cpu, histories = {}, {}, {}
         for name, k in (("sync", None), ("K=1", 1)):
-            rates[name], histories[name] = timed_run(args, Path(tmp) / name.replace("=", ""), k)
+            rates[name], cpu[name], histories[name] = timed_run(args, Path(tmp) / name.replace("=", ""), k)
     print(f"{args.model}, {args.prompts} prompts × 8, {args.max_new_tokens} new tokens, {args.steps} steps:")
     for name, recs in histories.items():
         steady = recs[args.warmup :]
         train = sum(mean(steady, f"time/{p}") for p in ("logprobs", "update", "sync"))
         line = (
-            f"  {name:>4}: {rates[name]:.3f} steps/s; generate {mean(steady, 'time/generate'):.3f} s, "
+            f"  {name:>4}: {rates[name]:.3f} steps/s, {cpu[name]:.2f} CPU s a step; "
+            f"generate {mean(steady, 'time/generate'):.3f} s, "
             f"score {mean(steady, 'time/score'):.3f} s, train {train:.3f} s a step; "
             f"reward {mean(steady, 'reward_mean'):.3f}"
         )
