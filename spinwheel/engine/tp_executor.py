@@ -87,10 +87,12 @@ class TPExecutor:
         state = {k: v.detach() for k, v in model.state_dict().items()}
         init = f"tcp://127.0.0.1:{free_port()}"
         self.procs, self.conns = [], []
+        box = [state]  # emptied once the workers have their copy (the Process objects keep their arguments)
         with _may_have_children():
             for rank in range(1, tp):
-                args = (rank, tp, init, backend, timeout_s, model.config, state, runner_config, max_model_len)
+                args = (rank, tp, init, backend, timeout_s, model.config, box, runner_config, max_model_len)
                 self._start_worker(rank, args)
+        box.clear()
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=tp, timeout=timeout)
         self.axis, self.comm = Axis("tp", tuple(range(tp)), 0, dist.group.WORLD), Comm(timeout_s)

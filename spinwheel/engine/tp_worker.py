@@ -213,7 +213,7 @@ def worker_main(
     timeout_s: float,
     conn,
     model_config,
-    state,
+    box: list[dict[str, torch.Tensor]],
     engine_config,
     max_model_len: int,
 ) -> None:
@@ -234,9 +234,8 @@ def worker_main(
     try:
         axis, comm = Axis("tp", tuple(range(world)), rank, dist.group.WORLD), Comm(timeout_s)
         runner = TPModelRunner(
-            shard_model(model_config, state, axis, comm, device), engine_config, max_model_len, axis, comm
+            shard_model(model_config, box.pop(), axis, comm, device), engine_config, max_model_len, axis, comm
         )
-        del state
         conn.send(runner.shard_bytes())
         while True:
             try:
