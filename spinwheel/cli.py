@@ -189,14 +189,15 @@ def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(running: str | None = None) -> argparse.ArgumentParser:
+    """Every command's options; with ``running`` (the command to run), ``serve``'s only when it is that one: the
+    server's imports (FastAPI, uvicorn) would add ~0.4 s to the start of every other command and torchrun rank."""
     from spinwheel import __version__
     from spinwheel.demo import DemoConfig
     from spinwheel.envs import command as envs_command
     from spinwheel.merge import MergeConfig
     from spinwheel.rl.classic import command as classic_command
     from spinwheel.rl.llm.command import PREF_COMMANDS, add_pref_parser, add_rl_parser, rl_commands
-    from spinwheel.server.serve import ServeConfig
 
     parser = argparse.ArgumentParser(prog="spinwheel", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"spinwheel {__version__}")
@@ -220,8 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
         description="OpenAI-compatible HTTP server on the paged-attention engine.",
     )
-    add_arguments(p, ServeConfig)
-    _add_engine_arguments(p)
+    if running in (None, "serve"):
+        from spinwheel.server.serve import ServeConfig
+
+        add_arguments(p, ServeConfig)
+        _add_engine_arguments(p)
     p = sub.add_parser(
         "merge", help="fold a LoRA adapter into its base: a plain HF checkpoint", description=MergeConfig.__doc__
     )
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         from spinwheel.parallel.launch import launch
 
         return launch(argv[1:])
-    ns = build_parser().parse_args(argv)
+    ns = build_parser(argv[0] if argv and not argv[0].startswith("-") else None).parse_args(argv)
     from spinwheel.train.run import NonFiniteError
 
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; 0 in one process
