@@ -83,24 +83,29 @@ def test_collectives_and_counters_on_four_ranks():
     assert res[0]["elements"] == {"all_reduce": 12, "reduce_scatter": 6, "all_gather": 6}
 
 
-def _silent_peer(rank: int, world_size: int) -> str:
+def _silent_peer(rank: int, world_size: int, done: str) -> str:
+    import os
     import time
 
     dims = ParallelDims.create(dp_shard=2, timeout_s=2)
     comm = Comm(timeout_s=2)
-    if rank == 1:
-        time.sleep(5)  # alive but never joins the collective (a stuck or dead peer)
+    if rank == 1:  # alive but never joins the collective (a stuck or dead peer) until rank 0 has its answer
+        deadline = time.monotonic() + 30
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "skipped"
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(1), dims.dp_axis)
     except (RuntimeError, TimeoutError) as e:
         return f"raised after {time.monotonic() - start:.1f}s: {type(e).__name__}"
+    finally:
+        open(done, "w").close()
     return "returned"
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_missing_peer_times_out_instead_of_hanging():
-    res = spawn(_silent_peer, 2, timeout_s=60)
+def test_missing_peer_times_out_instead_of_hanging(tmp_path):
+    res = spawn(_silent_peer, 2, args=(str(tmp_path / "rank0-done"),), timeout_s=60)
     assert res[0].startswith("raised"), res[0]
