@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-import transformers
 
 import spinwheel
 from spinwheel.models.presets import preset_config
@@ -97,6 +96,8 @@ def test_short_run_learns_and_saves_an_hf_reward_model(tmp_path):
     assert (tmp_path / "rm" / "curves.png").is_file()
 
     ckpt = tmp_path / "rm" / "checkpoint"
+    import transformers  # the reference (here, not at the top: the spawned ranks import this module)
+
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(ckpt).eval()
     assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.pad_token_id == TOK.pad_id
     prompts, completions = ["3+4=", "9+9=", "0+0="], ["7", "180", "0"]
