@@ -8,7 +8,7 @@ Each step: ``tasks_per_step`` tasks (``task(seed, split)`` from the ``--tasks`` 
 run ``group_size`` times by the agent against the policy served on a local base URL; the recorded episodes →
 group-normalised advantages → the GRPO loss (the paper's ``seq-mean-token-mean``, clip 0.2, no KL) on the sampled
 tokens only → the update, which the engine reads in place (the same model object). Held-out success (test-split
-tasks, greedy: the task's ``temperature`` set to 0) is measured before and after.
+tasks, greedy by default: the task's ``temperature`` set to ``--eval-temperature``) is measured before and after.
 
 Task keys the runner sets, for the agent to honour: ``temperature`` (what to sample at; the trainer's log-probs are
 of the distribution at ``--temperature``, and ``mismatch_max`` in the log shows an agent that samples otherwise).
@@ -48,6 +48,7 @@ class AgentTrainConfig:
     updates_per_step: int = 1  # optimizer steps on each step's episodes (the ratio is clipped from the second on)
     temperature: float = 1.0
     eval_tasks: int = 50  # held-out tasks before and after (0: none)
+    eval_temperature: float = 0.0  # 0: greedy; the training temperature measures what GRPO sharpened
     seed: int = 0
     timeout_s: float = 60.0  # per agent run
     num_workers: int = 16  # agent runs at once
@@ -78,9 +79,12 @@ def grpo_step(
     }
 
 
-def evaluate_agent(llm: LLM, agent: Agent, make_task: TaskFn, num: int, seed: int, config: AgentConfig) -> dict:
-    """Greedy success on ``num`` test-split tasks: the mean reward of the runs that did not fail, and the failures."""
-    tasks = [{**make_task(seed * 1_000_003 + i, "test"), "temperature": 0.0} for i in range(num)]
+def evaluate_agent(
+    llm: LLM, agent: Agent, make_task: TaskFn, num: int, seed: int, config: AgentConfig, temperature: float = 0.0
+) -> dict:
+    """Success on ``num`` test-split tasks (greedy by default): the mean reward of the runs that did not fail, and
+    the failures."""
+    tasks = [{**make_task(seed * 1_000_003 + i, "test"), "temperature": temperature} for i in range(num)]
     episodes = play_agent_episodes(llm, agent, tasks, 1, seed=seed, config=config)
     ok = [e.reward for e in episodes if not e.failed]
     return {"success": sum(ok) / max(1, len(ok)), "failed": len(episodes) - len(ok)}
@@ -97,8 +101,9 @@ def train_agent(config: AgentTrainConfig, log: Callable[[str], None] = print) ->
     llm = LLM(model, tokenizer, seed=config.seed)
     run_config = AgentConfig(timeout_s=config.timeout_s, num_workers=config.num_workers)
     result: dict[str, Any] = {"steps": []}
+    evaluation = (config.eval_tasks, config.seed, run_config, config.eval_temperature)
     if config.eval_tasks:
-        result["before"] = evaluate_agent(llm, agent, make_task, config.eval_tasks, config.seed, run_config)
+        result["before"] = evaluate_agent(llm, agent, make_task, *evaluation)
         log(f"agent_train: held-out success before {result['before']['success']:.3f}")
     rng = random.Random(config.seed)
     for step in range(config.steps):
@@ -123,7 +128,7 @@ def train_agent(config: AgentTrainConfig, log: Callable[[str], None] = print) ->
         if not math.isfinite(figures["loss"]):
             raise SystemExit(f"agent_train: step {step}: the loss is not finite")
     if config.eval_tasks:
-        result["after"] = evaluate_agent(llm, agent, make_task, config.eval_tasks, config.seed, run_config)
+        result["after"] = evaluate_agent(llm, agent, make_task, *evaluation)
         log(f"agent_train: held-out success after {result['after']['success']:.3f}")
     if config.out_dir:
         spinwheel.save_pretrained(model, config.out_dir, tokenizer=tokenizer)
