@@ -165,11 +165,12 @@ def spawn(
     ``fn`` must be importable (module level). A rank that raises makes this raise with its traceback; a run longer
     than ``timeout_s`` is killed and raises :class:`TimeoutError` — nothing hangs.
 
-    Ranks are fresh processes forked from multiprocessing's fork server, which imports torch and spinwheel once
+    Gloo ranks are fresh processes forked from multiprocessing's fork server, which imports torch and spinwheel once
     (:data:`FORKSERVER_PRELOAD`) and never runs a rank itself: a rank starts in milliseconds instead of seconds, and
     exits without tearing its interpreter down. Each gets this process's environment and ``sys.path`` as of the call.
+    NCCL ranks are spawned (a fresh interpreter each): nothing that may have touched the CUDA driver is forked.
     """
-    ctx = rank_context()
+    ctx = rank_context() if backend == "gloo" else mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
