@@ -6,9 +6,10 @@
 
 Each step: ``tasks_per_step`` tasks (``task(seed, split)`` from the ``--tasks`` function, seeds drawn per step), each
 run ``group_size`` times by the agent against the policy served on a local base URL; the recorded episodes →
-group-normalised advantages → the GRPO loss (the paper's ``seq-mean-token-mean``, clip 0.2, no KL) on the sampled
-tokens only → the update, which the engine reads in place (the same model object). Held-out success (test-split
-tasks, greedy by default: the task's ``temperature`` set to ``--eval-temperature``) is measured before and after.
+group-normalised advantages → the GRPO loss (clip 0.2, no KL, ``token-mean`` aggregation as ``spinwheel grpo``'s
+default) on the sampled tokens only → the update, which the engine reads in place (the same model object).
+Held-out success (test-split tasks, greedy by default: the task's ``temperature`` set to ``--eval-temperature``) is
+measured before and after.
 
 Task keys the runner sets, for the agent to honour: ``temperature`` (what to sample at; the trainer's log-probs are
 of the distribution at ``--temperature``, and ``mismatch_max`` in the log shows an agent that samples otherwise).
@@ -46,6 +47,7 @@ class AgentTrainConfig:
     group_size: int = 8
     lr: float = 5e-5
     updates_per_step: int = 1  # optimizer steps on each step's episodes (the ratio is clipped from the second on)
+    loss_agg: str = "token-mean"  # or seq-mean-token-mean (the GRPO paper), seq-mean-token-sum-norm (Dr. GRPO)
     temperature: float = 1.0
     eval_tasks: int = 50  # held-out tasks before and after (0: none)
     eval_temperature: float = 0.0  # 0: greedy; the training temperature measures what GRPO sharpened
@@ -56,7 +58,13 @@ class AgentTrainConfig:
 
 
 def grpo_step(
-    learner: LocalLearner, episodes: list[Episode], group_size: int, lr: float, updates: int, pad: int
+    learner: LocalLearner,
+    episodes: list[Episode],
+    group_size: int,
+    lr: float,
+    updates: int,
+    pad: int,
+    loss_agg: str = "token-mean",
 ) -> dict:
     """One GRPO update on the episodes (group-major, ``group_size`` per task); the step's figures."""
     rewards, keep = episode_rewards(episodes, group_size)
@@ -64,7 +72,7 @@ def grpo_step(
     inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     old = learner.forward(inputs)["logprobs"]
     advantages = group_advantages(rewards, group_size)
-    weights = token_weights(batch["mask"] * keep[:, None], "seq-mean-token-mean")
+    weights = token_weights(batch["mask"] * keep[:, None], loss_agg)  # type: ignore[arg-type]
 
     def loss_fn(out: Any, _batch: Any) -> tuple[torch.Tensor, dict]:
         return grpo_loss(out.logprobs, old, advantages, weights)
@@ -116,7 +124,9 @@ def train_agent(config: AgentTrainConfig, log: Callable[[str], None] = print) ->
         if 2 * sum(e.failed for e in episodes) > len(episodes):
             error = next(e.error for e in episodes if e.failed)
             raise SystemExit(f"agent_train: step {step}: most agent runs failed: {error}")
-        figures = grpo_step(learner, episodes, config.group_size, config.lr, config.updates_per_step, tokenizer.pad_id)
+        figures = grpo_step(
+            learner, episodes, config.group_size, config.lr, config.updates_per_step, tokenizer.pad_id, config.loss_agg
+        )
         llm.update_weights(model)
         figures.update(step=step, step_s=time.perf_counter() - t0)
         result["steps"].append(figures)
