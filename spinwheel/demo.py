@@ -9,6 +9,9 @@
 Everything is written under ``--out-dir`` (``sft/`` and ``grpo/``, each with ``checkpoint/``, ``metrics.jsonl``,
 ``curves.png``). A directory spinwheel did not write is never deleted: a non-empty ``--out-dir`` without the demo's
 marker file is refused.
+
+``--agent`` tells the agent story instead (:mod:`spinwheel.agent_demo`: SFT on calculator expert traces, GRPO with
+the calculator tool), under ``<out-dir>/agent/``.
 """
 
 from __future__ import annotations
@@ -38,11 +41,26 @@ class DemoConfig:
     seed: int = option(0, help="seed of the model init, the data order and the samples")
     num_threads: int = option(0, help="torch CPU threads (0: PyTorch's default)")
     progress: bool = option(True, help="show progress bars")
+    agent: bool = option(
+        False,
+        help="the agent story instead (spinwheel.agent_demo): SFT on calculator expert traces, then GRPO with the "
+        "calculator tool; held-out task success before/after and two episodes with their tool calls, written to "
+        "<out-dir>/agent/",
+    )
+    agent_sft_steps: int = option(300, help="--agent: SFT optimizer steps on the expert traces")
+    agent_grpo_steps: int = option(150, help="--agent: GRPO steps (16 problems x 8 episodes each)")
 
     def __post_init__(self) -> None:
         check_ranges(
             self,
-            at_least_1=("sft_steps", "grpo_steps", "grpo_prompts", "eval_examples"),
+            at_least_1=(
+                "sft_steps",
+                "grpo_steps",
+                "grpo_prompts",
+                "eval_examples",
+                "agent_sft_steps",
+                "agent_grpo_steps",
+            ),
             positive=("grpo_lr",),
             unit_interval=("grpo_min_lr_ratio",),
         )
@@ -74,6 +92,10 @@ def run_demo(config: DemoConfig) -> dict:
     from spinwheel.train.sft import train_sft
     from spinwheel.train.sft_config import SFTConfig
 
+    if config.agent:
+        from spinwheel.agent_demo import run_agent_demo
+
+        return run_agent_demo(config)
     out = Path(config.out_dir)
     prepare_out_dir(out)
     t0 = time.perf_counter()
