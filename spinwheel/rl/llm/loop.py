@@ -234,7 +234,10 @@ class RLJob:
             )
         except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
             error = e
-        if any_rank(error is not None, self.dims is not None):
+        distributed = self.dims is not None
+        if any_rank(isinstance(error, KeyboardInterrupt), distributed):  # a Ctrl-C seen by any rank stops every rank
+            raise StepFailed(error if isinstance(error, KeyboardInterrupt) else EpisodesInterrupted("stopped"))
+        if any_rank(error is not None, distributed):
             raise StepFailed(error or RewardError("the reward failed on another rank (that rank's log says why)"))
         episodes = [e for part in gather_dp(mine, self.dims) for e in part]
         failed = [e for e in episodes if e.failed]
