@@ -13,9 +13,7 @@ constructor that raises — :func:`load_env` builds one train-split instance to 
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +23,7 @@ from spinwheel.envs.calculator import CalculatorEnv
 from spinwheel.envs.dataset import DatasetEnv
 from spinwheel.envs.guess import GuessEnv
 from spinwheel.envs.single import ArithmeticEnv
+from spinwheel.user_code import import_user_module, one_line
 
 BUILTINS: dict[str, type[Env]] = {
     "arithmetic": ArithmeticEnv,
@@ -33,11 +32,6 @@ BUILTINS: dict[str, type[Env]] = {
     "guess": GuessEnv,
 }
 REASONING_GYM = "reasoning-gym:"
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())[:300]
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def parse_value(text: str) -> bool | int | float | str:
@@ -82,7 +76,7 @@ class EnvFactory:
         except EnvError as e:
             raise EnvError(f"--env {self.spec}: {e}") from None
         except Exception as e:
-            raise EnvError(f"--env {self.spec}: building the environment raised {_one_line(e)}") from None
+            raise EnvError(f"--env {self.spec}: building the environment raised {one_line(e)}") from None
 
 
 def _user_class(spec: str) -> type[Env]:
@@ -91,14 +85,7 @@ def _user_class(spec: str) -> type[Env]:
         raise EnvError(
             f"--env {spec!r}: expected a built-in ({', '.join(BUILTINS)}), module:Class or reasoning-gym:NAME"
         )
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # a module beside the user's data, as `python -m` would find it
-    try:
-        module = importlib.import_module(module_name)
-    except BaseException as e:  # SystemExit at import too: a bad module is a bad option, not the end of the run
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise EnvError(f"--env {spec!r}: cannot import {module_name!r} ({_one_line(e)})") from None
+    module = import_user_module("--env", spec, module_name, EnvError)
     cls = getattr(module, attr, None)
     if cls is None:
         raise EnvError(f"--env {spec!r}: {module_name} has no class {attr!r}")

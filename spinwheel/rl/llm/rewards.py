@@ -13,9 +13,7 @@ one line naming the function, before any update uses what it returned:
 
 from __future__ import annotations
 
-import importlib
 import numbers
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 
 from spinwheel.tasks.arithmetic import reward as task_reward
+from spinwheel.user_code import import_user_module
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]  # (completions, answers) -> one number each
 
@@ -51,14 +50,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(f"--reward {spec!r}: expected 'task' or 'module:function'")
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # a reward module beside the user's data, as `python -m` would find it
-    try:
-        module = importlib.import_module(module_name)
-    except BaseException as e:  # SystemExit at import too: a bad module is a bad option, not the end of the run
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise RewardError(f"--reward {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+    module = import_user_module("--reward", spec, module_name, RewardError)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardError(f"--reward {spec!r}: {module_name} has no function {attr!r}")
