@@ -177,15 +177,20 @@ def _string(where: str, obj: dict[str, Any], key: str, expected: str) -> str:
     return _text(where, key, value)
 
 
-def _messages(where: str, value: Any, last_role: str = "assistant") -> list[dict[str, str]]:
+def _objects(where: str, key: str, value: Any, keys: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, item)`` of field ``key``, a non-empty list of objects with ``keys``; anything else a DataError."""
     if not isinstance(value, list) or not value:
         got = "an empty list" if isinstance(value, list) else _type_name(value)
-        raise DataError(f'{where}: field \'messages\' must be a non-empty list of {{"role", "content"}}, got {got}')
+        raise DataError(f"{where}: field '{key}' must be a non-empty list of {keys}, got {got}")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise DataError(f"{where}: field '{key}[{i}]' must be an object, got {_type_name(item)}")
+    return [(f"{key}[{i}]", item) for i, item in enumerate(value)]
+
+
+def _messages(where: str, value: Any, last_role: str = "assistant") -> list[dict[str, str]]:
     messages = []
-    for i, message in enumerate(value):
-        name = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise DataError(f"{where}: field '{name}' must be an object, got {_type_name(message)}")
+    for name, message in _objects(where, "messages", value, '{"role", "content"}'):
         role = _string(where, message, "role", f"in '{name}'")
         content = _string(where, message, "content", f"in '{name}'")
         if role not in ROLES:
@@ -205,15 +210,8 @@ def _segments(where: str, obj: dict[str, Any]) -> list[tuple[str, bool]]:
     if others:
         formats = "(prompt and completion, messages, or segments)"
         raise DataError(f"{where}: field '{others[0]}' given together with 'segments'; use one format {formats}")
-    value = obj["segments"]
-    if not isinstance(value, list) or not value:
-        got = "an empty list" if isinstance(value, list) else _type_name(value)
-        raise DataError(f'{where}: field \'segments\' must be a non-empty list of {{"text", "model"}}, got {got}')
     segments = []
-    for i, segment in enumerate(value):
-        name = f"segments[{i}]"
-        if not isinstance(segment, dict):
-            raise DataError(f"{where}: field '{name}' must be an object, got {_type_name(segment)}")
+    for name, segment in _objects(where, "segments", obj["segments"], '{"text", "model"}'):
         text = _string(where, segment, "text", f"in '{name}'")
         model = segment.get("model")
         if not isinstance(model, bool):
