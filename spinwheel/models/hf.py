@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spinwheel.models.config import ConfigError, ModelConfig
-from spinwheel.models.hf_format import apply_umask, hf_key, our_name
+from spinwheel.models.hf_format import apply_umask, hf_key, our_name, read_json
 from spinwheel.models.lora import LoRAError, merge
 from spinwheel.models.lora_io import ADAPTER_CONFIG, adapter_base, is_adapter_dir, load_adapter
 from spinwheel.models.transformer import Transformer, rope_inv_freq
@@ -59,12 +59,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
     cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{cfg_path}: no config.json in the checkpoint directory")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    raw = read_json(cfg_path, CheckpointError, "no config.json in the checkpoint directory")
     try:
         return ModelConfig.from_hf_dict(raw)
     except ConfigError as e:

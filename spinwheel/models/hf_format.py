@@ -5,8 +5,10 @@ gives)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 HF_PREFIX = "model."
 SCORE_PREFIX = "score."  # the output layer of HF's *ForSequenceClassification
@@ -46,3 +48,13 @@ def apply_umask(path: str | os.PathLike) -> None:
     directories and safetensors files start private."""
     base = 0o777 if Path(path).is_dir() else 0o666
     os.chmod(path, base & ~current_umask())
+
+
+def read_json(where: Path, error: type[Exception], missing: str) -> Any:
+    """The JSON in file ``where``; no file (``missing`` says what it means) or invalid JSON is ``error``."""
+    if not where.is_file():
+        raise error(f"{where}: {missing}")
+    try:
+        return json.loads(where.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: invalid JSON ({e})") from None

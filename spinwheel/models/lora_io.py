@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spinwheel.models.config import SHAPE_FIELDS
-from spinwheel.models.hf_format import apply_umask, hf_key, our_name
+from spinwheel.models.hf_format import apply_umask, hf_key, our_name, read_json
 from spinwheel.models.lora import TARGETS, LoRAConfig, LoRAError, apply_lora, lora_layers, lora_parameters
 from spinwheel.models.transformer import Transformer
 
@@ -139,12 +139,7 @@ def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
     """An adapter directory's :class:`LoRAConfig` (with the ``base_model_name_or_path`` it names); unsupported
     options raise :class:`LoRAError` naming the file and the option."""
     where = Path(path) / ADAPTER_CONFIG
-    if not where.is_file():
-        raise LoRAError(f"{where}: no adapter_config.json: {path} is not a PEFT adapter directory")
-    try:
-        raw = json.loads(where.read_text())
-    except json.JSONDecodeError as e:
-        raise LoRAError(f"{where}: invalid JSON ({e})") from None
+    raw = read_json(where, LoRAError, f"no adapter_config.json: {path} is not a PEFT adapter directory")
     _check_supported(raw, where)
     try:
         config = LoRAConfig(
