@@ -25,7 +25,7 @@ from the episode's tokens. It is measured, never used.
 Batch layout (:func:`episode_batch`), one row per episode, right-padded, as ``rollout_batch`` lays out single-turn
 rows: ``input_ids = tokens[:-1]``, ``labels = tokens[1:]``; ``mask`` is 1 where the label is a sampled token;
 ``turn_rewards`` holds each turn's reward at the label position of the turn's last sampled token (PPO's per-turn
-rewards), 0 elsewhere.
+rewards), 0 elsewhere and on the rows of failed episodes.
 """
 
 from __future__ import annotations
@@ -150,10 +150,7 @@ def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tenso
         tokens.append(list(e.token_ids) + [pad_id] * pad)
         mask.append([float(m) for m in e.mask[1:]] + [0.0] * pad)  # label i is token i + 1
         engine.append(list(e.engine_logprobs[1:]) + [0.0] * pad)
-        row = [0.0] * (width - 1)
-        for end, r in zip(e.turn_ends, e.turn_rewards):
-            row[end - 1] += r
-        rewards.append(row)
+        rewards.append(_reward_row(e, width - 1))
         assert n == len(e.mask) == len(e.engine_logprobs)
     ids = torch.tensor(tokens, dtype=torch.long)
     return {
@@ -165,6 +162,20 @@ def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tenso
         "prompt_lens": torch.tensor([e.prompt_len for e in episodes]),
         "completion_lens": torch.tensor([len(e.token_ids) - e.prompt_len for e in episodes]),
     }
+
+
+def _reward_row(e: Episode, width: int) -> list[float]:
+    """The episode's turn rewards at their label positions (a turn that sampled nothing: at the sampled token
+    before it, or nowhere when there is none); all 0 for a failed episode (it is not trained on)."""
+    row = [0.0] * width
+    if e.failed:
+        return row
+    for end, r in zip(e.turn_ends, e.turn_rewards):
+        while end > 0 and not e.mask[end]:
+            end -= 1
+        if end > 0:
+            row[end - 1] += r
+    return row
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -185,6 +185,7 @@ class RLJob:
         stale, fresh, figures = self.staleness(episodes, mask, step)
         keep = keep if fresh is None else keep * fresh  # rollouts more than K updates old are dropped
         times["logprobs"], mark = time.perf_counter() - mark, time.perf_counter()
+        algo.turn_rewards = batch["turn_rewards"]  # PPO's per-turn rewards
         advantages = algo.prepare(rewards.to(mask.device), mask, inputs, old, ref)
         per_row = {**inputs, "mask": mask * keep[:, None], **advantages, **self.logprob_rows(old, ref, batch, stale)}
         algo.captured.clear()

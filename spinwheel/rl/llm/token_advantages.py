@@ -9,8 +9,9 @@ penalty, normalised over the global batch; Ziegler et al., "Fine-Tuning Language
 
 **Layout.** Sequence rewards are ``(B,)`` with ``B = num_prompts · G`` and each prompt's ``G`` completions in
 consecutive rows: rows ``g·G … g·G + G - 1`` are group ``g`` (the layout TRL's sampler produces; ``rewards.view(-1,
-G)`` is the ``(num_prompts, G)`` table). Per-token tensors are ``(B, T)`` with a completion mask whose ones are one
-contiguous run per row (right padding is the usual case). Everything here runs once per rollout batch on the whole
+G)`` is the ``(num_prompts, G)`` table). Per-token tensors are ``(B, T)`` with a mask that is 1 on sampled tokens: one
+contiguous run per row for a single-turn completion (right padding), runs separated by observation tokens (mask 0)
+for a multi-turn episode. Everything here runs once per rollout batch on the whole
 global batch (its statistics are batch-wide), never per micro-batch.
 """
 
@@ -97,42 +98,46 @@ def final_token_mask(mask: Tensor) -> Tensor:
     return (on & (counts == counts[:, -1:])).to(m.dtype)
 
 
-def _check_contiguous(mask: Tensor) -> None:
-    on = (mask != 0).to(torch.int8)
-    starts = on[:, :1] + (on[:, 1:] > on[:, :-1]).sum(dim=1, keepdim=True)
-    if bool((starts > 1).any()):
-        raise ValueError("each row's completion mask must be one contiguous run of tokens (e.g. right padding)")
-
-
 def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
-    """Per-token PPO rewards (Ziegler et al. 2019): ``-β · KL_t`` on every completion token, plus the sequence
-    score at each row's final completion token.
+    """Per-token PPO rewards (Ziegler et al. 2019): ``-β · KL_t`` on every sampled token, plus the rewards.
 
-    ``scores`` (B,); ``kl`` (B, T) a per-token KL estimate to the reference, usually k1 ``log π_old - log π_ref``
-    (:func:`spinwheel.rl.llm.token_losses.kl_per_token`); ``mask`` (B, T). Returns (B, T), 0 outside the mask; a row
-    without tokens gets no score (there is no token to put it on).
+    ``scores`` (B,): a sequence score, put on each row's final sampled token; or (B, T): rewards already at their
+    tokens (a multi-turn episode's per-turn rewards, each at its turn's last sampled token:
+    :func:`~spinwheel.rl.llm.episode_tokens.episode_batch`'s ``turn_rewards``). ``kl`` (B, T) a per-token KL
+    estimate to the reference, usually k1 ``log π_old - log π_ref``
+    (:func:`spinwheel.rl.llm.token_losses.kl_per_token`); ``mask`` (B, T), 1 on sampled tokens. Returns (B, T), 0
+    outside the mask; a row without tokens gets no score (there is no token to put it on).
     """
     m = mask.to(kl.dtype)
-    return -beta * kl * m + scores.to(kl.dtype).unsqueeze(1) * final_token_mask(m)
+    placed = scores.to(kl.dtype) if scores.dim() == 2 else scores.to(kl.dtype).unsqueeze(1) * final_token_mask(m)
+    return (placed - beta * kl) * m
 
 
 def token_gae(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
-    """GAE-λ over each row's completion tokens; returns ``(advantages, returns)``, both (B, T), 0 outside the mask.
+    """GAE-λ over each row's sampled tokens; returns ``(advantages, returns)``, both (B, T), 0 outside the mask.
 
     ``rewards`` (B, T) from :func:`token_rewards`, ``values`` (B, T) the critic's ``V(s_t)`` for the state before
-    each token. The completion ends at its last token (the value after it is 0, also for completions cut by the
-    length budget, as TRL's PPO does); ``returns = advantages + values`` are the value targets (the λ-return).
-    Uses :func:`spinwheel.rl.advantages.gae` with the rows as its batch dimension.
+    each token. The steps of the MDP are the masked (sampled) tokens only: where the mask has gaps (a multi-turn
+    episode's observation tokens) the recursion jumps over them, so the step after sampled token t is the next
+    *sampled* token t' and ``δ_t = r_t + γ V(s_t') - V(s_t)`` (``s_t'`` holds the observation the environment fed
+    in between; its tokens are neither rewarded nor discounted), as verl's and RAGEN's multi-turn GAE skip them. The
+    episode ends at its last sampled token (the value after it is 0, also for episodes cut by a turn or token limit,
+    as TRL's PPO does); ``returns = advantages + values`` are the value targets (the λ-return). Rewards or values on
+    unmasked positions are ignored. Each row's sampled tokens are packed to the left (order kept), run through
+    :func:`spinwheel.rl.advantages.gae` with the rows as its batch dimension, and scattered back.
     """
-    _check_contiguous(mask)
-    m = mask.to(values.dtype)
-    v = values * m
-    next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)  # V(s_{t+1}); 0 after the last token
-    done = final_token_mask(m)
-    adv, ret = gae((rewards * m).T, v.T, next_v.T, done.T, torch.zeros_like(done).T, gamma, lam)
-    return adv.T * m, ret.T * m
+    on = mask != 0
+    order = torch.argsort((~on).to(torch.int8), dim=1, stable=True)  # per row: sampled positions first, in order
+    counts = on.sum(dim=1, keepdim=True)
+    packed = (torch.arange(mask.shape[1], device=mask.device) < counts).to(values.dtype)
+    r, v = rewards.gather(1, order) * packed, values.gather(1, order) * packed
+    next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)  # V at the next sampled token; 0 after the last
+    done = final_token_mask(packed)
+    adv, ret = gae(r.T, v.T, next_v.T, done.T, torch.zeros_like(done).T, gamma, lam)
+    unpack = lambda x: torch.zeros_like(values).scatter(1, order, x.T * packed)  # noqa: E731
+    return unpack(adv), unpack(ret)
 
 
 def reinforce_pp_advantages(

@@ -57,6 +57,7 @@ class Algorithm:
         self.config = config
         self.captured: list[torch.Tensor] = []  # the update's own log-probs, when they stand in for the old policy's
         self.capture = False
+        self.turn_rewards: torch.Tensor | None = None  # (B, T) each turn's reward at its last sampled token (loop)
 
     @property
     def needs_reference(self) -> bool:

@@ -1,6 +1,8 @@
 """PPO for LLMs (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"; Ouyang et al. 2022):
-a learned critic, per-token rewards ``−β·KL_t`` with the sequence score at the final token, token-level GAE (γ, λ),
-whitened advantages, the clipped surrogate and the clipped value loss, with a fixed or adaptive β controller.
+a learned critic, per-token rewards ``−β·KL_t`` with each turn's reward at the turn's last sampled token (a
+single-turn completion: the score at its final token), token-level GAE (γ, λ) over the sampled tokens only
+(a multi-turn episode's observation tokens are not steps: the recursion jumps over them), whitened advantages, the
+clipped surrogate and the clipped value loss, with a fixed or adaptive β controller.
 
 The critic is a separate scalar-head model initialised from the policy's body
 (:func:`~spinwheel.models.transformer.scalar_head_model`), trained by its own learner on the same layout; its value
@@ -78,7 +80,8 @@ class PPO(Algorithm):
         c = self.config
         values = self.critic.forward(inputs)["values"] * mask
         kl = (old_logprobs - ref_logprobs) * mask if ref_logprobs is not None else torch.zeros_like(mask)
-        token_r = token_rewards(rewards.to(mask.dtype), kl, mask, self.kl.value)
+        scores = rewards if self.turn_rewards is None else self.turn_rewards  # per turn, at each turn's last token
+        token_r = token_rewards(scores.to(mask.dtype), kl, mask, self.kl.value)
         advantages, returns = token_gae(token_r, values, mask, c.gamma, c.lam)
         if c.whiten_advantages:
             advantages = whiten(advantages, mask)
