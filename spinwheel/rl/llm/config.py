@@ -151,6 +151,14 @@ class RLConfig(RunConfig):
         "(0: the synchronous run exactly; default: the synchronous loop; one process only)",
         group="rollout",
     )
+    rollout_ranks: int | None = option(
+        None,
+        help="disaggregated placement under `spinwheel launch --nproc-per-node N`: the last R ranks only generate "
+        "(engine, environments, rewards) and send each step's episodes to the trainer rank, which broadcasts its "
+        "weights to them in buckets after each update; with --max-staleness K they may run K updates ahead "
+        "(default 0: the synchronous run); one trainer rank for now",
+        group="rollout",
+    )
     mis_cap: float | None = option(
         None,
         help="sequence-level masked importance sampling: drop from the loss the sequences whose ratio "
@@ -177,7 +185,7 @@ class RLConfig(RunConfig):
             fraction=("top_p", "fisher_fraction"),
         )
         check_ranges(self, at_least_1=("max_turns", "max_episode_tokens"), positive=("env_timeout_s",))
-        check_ranges(self, non_negative=("max_staleness",), at_least_1=("mis_cap",))
+        check_ranges(self, non_negative=("max_staleness",), at_least_1=("mis_cap", "rollout_ranks"))
         if self.env is not None and (self.data is not None or self.reward != "task" or self.reward_model):
             raise ValueError(
                 "--env takes its prompts and rewards from the environment: drop --data / --reward / --reward-model "

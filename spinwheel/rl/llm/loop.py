@@ -35,7 +35,9 @@ from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metr
 from spinwheel.rl.llm.episodes import EpisodesInterrupted
 from spinwheel.rl.llm.off_policy import off_policy_weights
 from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
-from spinwheel.rl.llm.rollout import gather_dp, sample_seed
+from spinwheel.rl.llm.rollout import gather_dp
+from spinwheel.rl.llm.rollout_play import serve_rollouts, step_seeds
+from spinwheel.rl.llm.rollout_ranks import Placement, rollout_figures, trainer_rollouts
 from spinwheel.rl.llm.run_envs import PromptsEnv, play_share, run_environments
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights
@@ -43,7 +45,6 @@ from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, sync_figures
 from spinwheel.train.run import Run, StepFailed
-from spinwheel.train.sft_data import batch_indices
 
 
 def reuses_update_logprobs(config: RLConfig, algo: Algorithm, learner: Learner) -> bool:
@@ -62,13 +63,17 @@ def train_rl(config: RLConfig) -> dict[str, Any]:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     with distributed_world(config.device, config.parallel) as distributed:
-        dims = config.parallel.make_dims()
+        place = Placement.create(config, distributed) if config.rollout_ranks else None  # --rollout-ranks
+        if place is not None and place.is_rollout:
+            return serve_rollouts(config, place)  # this rank only generates (rollout_play.py)
+        distributed = distributed and place is None
+        dims = config.parallel.make_dims() if place is None else place.trainer_dims()
         config.parallel.check_batch(config.rollout_batch // config.minibatches, dims.dp, what="the minibatch of")
         with Run(config, distributed, config.algo) as run:
             if run.finished():
                 return run.finished_result()
             run.announce_resume()
-            job = RLJob(config, run, dims if distributed else None)
+            job = RLJob(config, run, dims if distributed else None, place)
             curves = [
                 ("reward_mean", "sampled reward"),
                 (job.eval_key, f"held-out {job.eval_label} (greedy)"),
@@ -87,8 +92,8 @@ def train_rl(config: RLConfig) -> dict[str, Any]:
 class RLJob:
     """The run's parts (policy learner, reference, algorithm, engine, prompts, reward) and its step."""
 
-    def __init__(self, config: RLConfig, run: Run, dims) -> None:
-        self.config, self.run, self.dims = config, run, dims
+    def __init__(self, config: RLConfig, run: Run, dims, placement: Placement | None = None) -> None:
+        self.config, self.run, self.dims, self.placement = config, run, dims, placement
         self.tokenizer = tokenizer = load_tokenizer(run.ckpt_dir if run.resumed else config.model)
         self.pad_id = tokenizer.pad_id or 0
         load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
@@ -154,6 +159,8 @@ class RLJob:
         while the engine samples); evaluation then gets an engine of its own on the trainer's weights."""
         model, c = self.learner.engine_model, self.config
         assert model is not None
+        if self.placement is not None:  # the rollout ranks play; this rank's engine only evaluates
+            return trainer_rollouts(self)  # type: ignore[return-value]
         if c.max_staleness is None:
             self.llm = self.eval_llm = LLM(model, self.tokenizer, **self.engine_options)
             return SyncRollouts(self.play, self.sync_engine)
@@ -196,6 +203,7 @@ class RLJob:
         times["sync"] = time.perf_counter() - mark
         record = self.record(rewards, mask, keep, old, ref, batch["engine_logprobs"], stats, times)
         record.update(**figures, **episode_metrics(episodes), **self.overlap(start, times))
+        record.update(rollout_figures(self.rollouts))  # --rollout-ranks: the weight broadcast's seconds and MiB
         return {**record, **metrics_since(learner.comm_metrics(), comm_before)}  # log-probs, updates, weight sync
 
     def staleness(self, episodes, mask, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
@@ -224,10 +232,7 @@ class RLJob:
         function that fails (or a Ctrl-C while it runs) fails the step on every rank together, before any weight
         changed (the harness saves the steps before it); so does a step whose episodes mostly fail."""
         c, figures, error = self.config, {}, None
-        if self.num_train:  # a fixed set of tasks: epochs of a seeded order, as the prompts were drawn
-            seeds = batch_indices(step, c.prompts_per_step, self.num_train, c.seed)
-        else:  # procedural: a fresh seed per environment
-            seeds = [sample_seed(c.seed, step, k) for k in range(c.prompts_per_step)]
+        seeds = step_seeds(c, self.num_train, step)  # the same on every rank (rollout ranks too)
         try:
             stop = self.run.stop_requested
             mine = play_share(

@@ -27,7 +27,7 @@ from spinwheel.rl.llm.token_losses import grpo_loss
 # The clipped-surrogate options every member of the family takes.
 SURROGATE = frozenset({"beta", "eps_low", "eps_high", "epochs", "minibatches", "tis_cap", "loss_agg"})
 # Asynchronous rollouts and their sequence-level correction (token-level IS weights on the surrogate).
-ASYNC = frozenset({"max_staleness", "mis_cap"})
+ASYNC = frozenset({"max_staleness", "mis_cap", "rollout_ranks"})
 
 
 class GroupPolicyGradient(Algorithm):

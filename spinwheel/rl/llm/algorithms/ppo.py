@@ -37,7 +37,7 @@ class PPO(Algorithm):
     summary = "PPO for LLMs (critic, token-level GAE, KL penalty to the reference) on engine rollouts"
     options = frozenset(
         {"beta", "eps_low", "eps_high", "epochs", "minibatches", "tis_cap", "loss_agg", "gamma", "lam", "critic_lr"}
-        | {"value_clip", "whiten_advantages", "kl_target", "kl_horizon", "max_staleness", "mis_cap"}
+        | {"value_clip", "whiten_advantages", "kl_target", "kl_horizon", "max_staleness", "mis_cap", "rollout_ranks"}
     )
 
     def __init__(self, config: RLConfig, parts: Parts) -> None:

@@ -1,0 +1,185 @@
+"""A rollout rank's side of the disaggregated placement (:mod:`~spinwheel.rl.llm.rollout_ranks`, whose docstring
+describes the schedule): the engine, the receiver thread that takes each weight broadcast into a
+:class:`~spinwheel.rl.llm.async_rollouts.WeightBox`, and the loop that plays the rank's share of each step and sends
+it to trainer rank 0. :func:`step_seeds` is the environments' seeds of a step, the same on every rank and in one
+process (:meth:`~spinwheel.rl.llm.loop.RLJob.play` uses it too).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spinwheel.rl.llm.async_rollouts import Closed, VersionedEngine, WeightBox, _EngineRef
+from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.rollout import sample_seed
+from spinwheel.rl.llm.rollout_ranks import STOP, Placement
+from spinwheel.rl.llm.rollout_wire import (
+    EPISODES,
+    FAILED,
+    broadcast_weights,
+    error_message,
+    pack_episodes,
+    send_message,
+    wait,
+)
+from spinwheel.train.interrupt import Interrupted, StopOnSignal
+from spinwheel.train.sft_data import batch_indices
+
+
+def step_seeds(config: RLConfig, num_train: int | None, step: int) -> list[int]:
+    """The seeds of step ``step``'s environments: with a fixed set of ``num_train`` tasks, epochs of a seeded order
+    (as the prompts were drawn); procedural environments (``None``), a fresh seed per environment."""
+    if num_train:
+        return batch_indices(step, config.prompts_per_step, num_train, config.seed)
+    return [sample_seed(config.seed, step, k) for k in range(config.prompts_per_step)]
+
+
+class WeightReceiver:
+    """A rollout rank's receiver thread: takes each broadcast of weights into a staging copy and publishes it to
+    ``box``; closes the box at the run's end (``code``) or on a failed wait (``error``)."""
+
+    def __init__(self, place: Placement, state: dict[str, torch.Tensor]) -> None:
+        self.place, self.names = place, sorted(k for k in state if not k.startswith("rotary."))
+        self.like = [state[k] for k in self.names]  # shapes and dtypes of what arrives
+        self.box = Received(0)
+        self.code: int | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)  # started later
+
+    def header(self) -> list[int]:
+        h = torch.zeros(4, dtype=torch.long, device=self.place.device)
+        work = dist.broadcast(h, src=0, group=self.place.link, async_op=True)
+        wait(work, self.place.timeout_s, "trainer rank 0 sent no weights")
+        return h.tolist()
+
+    def receive(self, version: int) -> list[torch.Tensor]:
+        """The weights of ``version``, into fresh tensors (the engine may still be loading the previous ones)."""
+        into = [torch.empty_like(t) for t in self.like]
+        recv = lambda b: wait(  # noqa: E731
+            dist.broadcast(b, src=0, group=self.place.link, async_op=True),
+            self.place.timeout_s,
+            f"trainer rank 0 broke off the weights of version {version}",
+        )
+        broadcast_weights(into, False, recv, device=self.place.device)
+        return into
+
+    def _run(self) -> None:
+        try:
+            while True:
+                kind, version, _, code = self.header()
+                if kind == STOP:
+                    self.code = code
+                    return
+                self.box.put(version, dict(zip(self.names, self.receive(version))))
+        except BaseException as e:  # noqa: BLE001 - the rank's main thread raises it
+            self.error = e
+        finally:
+            self.box.close()
+
+
+class Received(WeightBox):
+    """The rollout rank's weight box: versions arrive as received tensors (no copy of a trainer's model)."""
+
+    def put(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        with self._cond:
+            self.version, self.state = version, state
+            self._cond.notify_all()
+
+
+def serve_rollouts(config: RLConfig, place: Placement) -> dict[str, Any]:
+    """A rollout rank's run (module docstring): its engine takes the run's start from trainer rank 0, then plays
+    its share of steps ``first .. end − 1``, each once version ``step − K`` arrived, and sends each batch."""
+    llm, make_env = _rollout_engine(config)
+    receiver = WeightReceiver(place, llm.engine.model.state_dict())
+    kind, first, end, _ = receiver.header()
+    if kind == STOP:  # the trainer failed before its first step
+        return {"rollout_rank": place.rank, "steps": 0}
+    llm.update_weights(dict(zip(receiver.names, receiver.receive(first))))
+    receiver.box = box = Received(first)
+    engine = VersionedEngine(llm.engine, box, first)
+    receiver.thread.start()
+    played, failure = 0, None
+    with StopOnSignal(False):  # Ctrl-C / SIGTERM: the trainer stops the run after its step and tells this rank
+        try:
+            played, failure = _play_steps(config, place, engine, make_env, first, end)
+        except Closed:
+            pass
+        receiver.thread.join()  # bounded: the receiver's every wait has the timeout
+    if receiver.error is not None:
+        raise receiver.error
+    if receiver.code and receiver.code > 128:
+        raise Interrupted(receiver.code - 128, first + played)
+    if failure is not None:
+        raise failure
+    if receiver.code:
+        raise ValueError("the trainer stopped with an error (rank 0 says which)")
+    return {"rollout_rank": place.rank, "steps": played}
+
+
+def _rollout_engine(config: RLConfig):
+    """(the rollout rank's engine on a model of the run's shape, the environments' factory), as the trainer's."""
+    import dataclasses
+
+    from spinwheel.engine import LLM
+    from spinwheel.models.hf import load_model
+    from spinwheel.models.tokenizer import load_tokenizer
+    from spinwheel.rl.llm.loop import RLJob
+    from spinwheel.rl.llm.run_envs import run_environments
+
+    tokenizer = load_tokenizer(config.model)
+    load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
+    model = load_model(config.model, **load).requires_grad_(False)
+    context = model.config.max_position_embeddings
+    make_env, _ = run_environments(config, tokenizer, context, lambda line: None)
+    options = dataclasses.asdict(config.engine)
+    shape = SimpleNamespace(config=config, make_env=make_env)  # what RLJob's context rule reads
+    options.update(max_model_len=RLJob._max_model_len(shape, context), seed=config.seed)  # type: ignore[arg-type]
+    return LLM(model, tokenizer, **options), make_env
+
+
+def _play_steps(config: RLConfig, place: Placement, engine: VersionedEngine, make_env, first: int, end: int):
+    """Play and send steps ``first .. end − 1``; returns (steps sent, the error that failed a step or None). At most
+    K + 1 batches are in flight; the waits for them have the timeout."""
+    from spinwheel.rl.llm.episodes import EpisodesInterrupted
+    from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
+    from spinwheel.rl.llm.run_envs import play_share
+
+    k, box = config.max_staleness or 0, engine.box
+    share = SimpleNamespace(dp_axis=SimpleNamespace(size=place.rollout, rank=place.rollout_index))
+    num_train = getattr(make_env("train"), "num_tasks", None)
+    pending: list = []
+    for step in range(first, end):
+        start = time.perf_counter()
+        box.wait_for(step - k)
+        ready, figures = time.perf_counter(), {}
+        seeds = step_seeds(config, num_train, step)
+        try:
+            episodes = play_share(_EngineRef(engine), make_env, seeds, step, config, share,  # type: ignore[arg-type]
+                                  lambda: box.closed, figures, token_versions=engine.token_versions)  # fmt: skip
+        except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
+            if box.closed:
+                raise Closed from None
+            message = send_message(FAILED, step, error_message(str(e)), 0, place.episodes, place.device)
+            _wait_sent([message], place, step)
+            return step - first, e
+        engine.forget()
+        played, score = time.perf_counter() - ready, figures.get("batch_step_s", 0.0)
+        times = {"generate": played - score, "score": score, "wait_weights": ready - start,
+                 "weight_swaps": engine.num_swaps}  # fmt: skip
+        pending.append(send_message(EPISODES, step, pack_episodes(episodes, times), 0, place.episodes, place.device))
+        if len(pending) > k + 1:
+            _wait_sent([pending.pop(0)], place, step)
+    _wait_sent(pending, place, end - 1)
+    return end - first, None
+
+
+def _wait_sent(messages: list, place: Placement, step: int) -> None:
+    for works, *_ in messages:
+        for work in works:
+            wait(work, place.timeout_s, f"trainer rank 0 took no episodes of step {step}")
