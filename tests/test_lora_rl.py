@@ -21,7 +21,7 @@ from spinwheel.rl.llm.reward_model import reward_model_fn, train_rm
 from spinwheel.tasks.data import write_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.learners import LocalLearner
-from spinwheel.train.lora_run import AdaptersOff, check_one_process
+from spinwheel.train.lora_run import AdaptersOff
 from spinwheel.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("digit_reward")
@@ -145,12 +145,6 @@ def test_reward_model_with_lora_writes_a_merged_reward_model_and_resumes_exactly
     # The checkpoint is HF's sequence classifier with the adapters folded in: what --reward-model loads.
     scores = reward_model_fn(tmp_path / "full" / "checkpoint")(["3+4=", "3+4="], ["7", "70"])
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
-
-
-def test_lora_under_torchrun_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="^--lora-rank runs in one process for now: start spinwheel grpo without"):
-        check_one_process(small_config("unused", **LORA), True, "grpo")
-    check_one_process(small_config("unused"), True, "grpo")  # full fine-tuning keeps every layout
 
 
 def test_the_engine_samples_without_adapter_dropout():

@@ -49,6 +49,7 @@ class BlockManager:
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chained keys of its leading full blocks
         self._roots: dict[int, int | None] = {}  # seq_id -> the key its chain starts from (its namespace's)
         self.num_prefix_queried_tokens = 0
+        self._resets = 0  # prefix-cache resets (weight changes) so far
         self.num_prefix_hit_tokens = 0
 
     # ---- sizes ----
@@ -249,8 +250,9 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (call when the weights change)."""
         self.gpu.reset_cache()
-        for s in self._hashes:
-            self._hashes[s] = []
+        self._resets += 1
+        for s in self._hashes:  # a live sequence's blocks hold old K/V: its chain restarts from a key nobody matches
+            self._hashes[s], self._roots[s] = [], hash(("stale", self._resets, s))
 
     # ---- inspection ----
     def sharing(self) -> tuple[int, int]:

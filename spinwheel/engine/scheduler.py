@@ -119,6 +119,22 @@ class Scheduler(SamplingForks):
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
+    def recompute_all(self) -> int:
+        """Preempt every running and swapped group by recompute: their K/V are dropped and each is prefilled again
+        (prompt and sampled tokens) when it is next admitted — after a weight change, so that no sequence goes on
+        reading K/V the old weights computed. Returns the number of groups preempted."""
+        groups = [*self.running, *self.swapped]
+        self.running, self.swapped = [], deque()
+        for group in groups:
+            for s in group.unfinished_seqs():
+                self.block_manager.free(s.seq_id)
+                s.num_computed_tokens = 0
+                s.status = SequenceStatus.WAITING
+            group.shared_prefill = None
+            _insert_by_arrival(self.waiting, group)
+        self.num_preemptions += len(groups)
+        return len(groups)
+
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
         bm = self.block_manager

@@ -208,8 +208,9 @@ def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Run the base model: inside the block every adapter is off (outputs equal the base's exactly), afterwards each
-    is as it was. This is the reference policy of DPO and of RL with a KL penalty."""
-    layers = list(lora_layers(model).values())
+    is as it was. This is the reference policy of DPO and of RL with a KL penalty. Tensor-parallel LoRA layers
+    (``spinwheel.parallel.tensor_lora``, which keep the adapter's ``lora_A`` and ``enabled``) are switched too."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear) or hasattr(m, "lora_A") and hasattr(m, "enabled")]
     before = [m.enabled for m in layers]
     for m in layers:
         m.enabled = False

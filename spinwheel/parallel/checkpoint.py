@@ -41,6 +41,17 @@ def _barrier(pm: ParallelModel) -> None:
         dist.barrier()
 
 
+def _frozen_names(module: torch.nn.Module) -> set[str]:
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _trained_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict without frozen parameters: a LoRA run's shards hold the adapters, not the base
+    (which the run loads again from ``--model``)."""
+    frozen = _frozen_names(module)
+    return {k: v for k, v in module.state_dict().items() if k not in frozen}
+
+
 def save_sharded(trainer, path: str | os.PathLike) -> None:
     """Write this rank's training state to ``path/rankNNNNN.pt`` (collective: every rank calls it)."""
     pm = trainer.pm
@@ -48,7 +59,7 @@ def save_sharded(trainer, path: str | os.PathLike) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {
         "layout": _layout(pm),
-        "model": pm.module.state_dict(),
+        "model": _trained_state(pm.module),
         "optimizer": trainer.optimizer.state_dict(),
         "num_steps": trainer.num_steps,
     }
@@ -74,7 +85,13 @@ def load_sharded(trainer, path: str | os.PathLike) -> None:
             f"{path}: saved with layout {state['layout']}, but this run is {_layout(pm)}; resume "
             "with the same degrees, or consolidate with save_hf and start from the HF checkpoint"
         )
-    pm.module.load_state_dict(state["model"])
+    missing, unexpected = pm.module.load_state_dict(state["model"], strict=False)
+    lacking = sorted(set(missing) - _frozen_names(pm.module))  # frozen parameters come from --model
+    if unexpected or lacking:
+        raise ValueError(
+            f"{path}: its shards do not match this model (missing {lacking}, unexpected {sorted(unexpected)}): "
+            "resume with the same model and --lora-* options"
+        )
     if "masters" in state:
         with torch.no_grad():
             for bk, master in zip(pm.module.buckets, state["masters"]):

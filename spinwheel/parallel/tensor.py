@@ -110,8 +110,9 @@ def scatter_to_tp(x: torch.Tensor, axis: Axis, comm: Comm) -> torch.Tensor:
     return _ScatterToTP.apply(x, axis, comm) if axis.size > 1 else x
 
 
-def _shard(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
-    return t.detach().chunk(axis.size, dim=dim)[axis.rank].clone()
+def _shard(t: torch.Tensor, dim: int, axis: Axis) -> nn.Parameter:
+    """This rank's slice of ``t`` as a parameter, trainable as ``t`` is (a LoRA run's base stays frozen)."""
+    return nn.Parameter(t.detach().chunk(axis.size, dim=dim)[axis.rank].clone(), requires_grad=t.requires_grad)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -132,8 +133,8 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"tp={axis.size} must divide out_features ({linear.out_features})")
         self.axis, self.comm = axis, comm
         self.gather_output, self.copy_input = gather_output, copy_input
-        self.weight = nn.Parameter(_shard(linear.weight, 0, axis))
-        self.bias = nn.Parameter(_shard(linear.bias, 0, axis)) if linear.bias is not None else None
+        self.weight = _shard(linear.weight, 0, axis)
+        self.bias = _shard(linear.bias, 0, axis) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.axis, self.comm) if self.copy_input else x
@@ -157,8 +158,9 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"tp={axis.size} must divide in_features ({linear.in_features})")
         self.axis, self.comm = axis, comm
         self.input_is_parallel = input_is_parallel
-        self.weight = nn.Parameter(_shard(linear.weight, 1, axis))
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.weight = _shard(linear.weight, 1, axis)
+        bias = linear.bias
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x if self.input_is_parallel else scatter_to_tp(x, self.axis, self.comm)  # (..., in/tp)
@@ -187,7 +189,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, axis: Axis, comm: Comm) -> None:
         super().__init__()
         self.axis, self.comm = axis, comm
-        self.weight = nn.Parameter(_shard(embedding.weight, 0, axis))
+        self.weight = _shard(embedding.weight, 0, axis)
         self.vocab_start = axis.rank * self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -253,6 +255,22 @@ _SUBLAYERS = {
 }
 
 
+def _column(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
+    if hasattr(linear, "lora_A"):  # LoRA: B split with W (spinwheel.parallel.tensor_lora)
+        from spinwheel.parallel.tensor_lora import ColumnParallelLoRA
+
+        return ColumnParallelLoRA(linear, axis, comm, copy_input=False)
+    return ColumnParallelLinear(linear, axis, comm, copy_input=False)
+
+
+def _row(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
+    if hasattr(linear, "lora_A"):  # LoRA: A split with W
+        from spinwheel.parallel.tensor_lora import RowParallelLoRA
+
+        return RowParallelLoRA(linear, axis, comm)
+    return RowParallelLinear(linear, axis, comm)
+
+
 def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str, int]:
     """Swap a Transformer's (or pipeline stage's) layers for tensor-parallel ones, in place.
 
@@ -267,14 +285,13 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str,
     for idx, block in items:
         for sub_name, (columns, row) in _SUBLAYERS.items():
             sub = getattr(block, sub_name)
-            new: dict[str, nn.Module] = {
-                name: ColumnParallelLinear(getattr(sub, name), axis, comm, copy_input=False) for name in columns
-            }
-            new[row] = RowParallelLinear(getattr(sub, row), axis, comm)
+            new: dict[str, nn.Module] = {name: _column(getattr(sub, name), axis, comm) for name in columns}
+            new[row] = _row(getattr(sub, row), axis, comm)
             for name, layer in new.items():
                 setattr(sub, name, layer)
+                params = dict(layer.named_parameters())
                 for pname, dim in layer.shard_dims.items():
-                    if getattr(layer, pname, None) is not None:
+                    if pname in params:
                         shard_dims[f"layers.{idx}.{sub_name}.{name}.{pname}"] = dim
             enter_tp_region(sub, axis, comm)
     tied = (

@@ -16,7 +16,12 @@ from, its reference policy and what a weight sync moves.
   the engine's forward is the model's, each wrapped projection adds its ``B A x``), so an update reaches the
   engine without a copy. :func:`sync_figures` says what a sync to an engine holding its own copy would move:
   the adapters (``lora_sync_mb``) against every weight (``full_sync_mb``).
-* **Layouts.** LoRA runs in one process for now; under ``torchrun`` the commands refuse it in one line.
+* **Layouts.** Under ``torchrun`` LoRA runs with DDP and ZeRO-1/2, whose buckets and shards then hold the adapters
+  alone (they take the trainable parameters; the frozen base gets no gradient and no optimizer state), and with
+  tensor parallelism, which splits each factor as its base layer splits (:mod:`~spinwheel.parallel.tensor_lora`);
+  sharded checkpoints keep only trained parameters and rank 0 writes the gathered PEFT adapter, as one process
+  does. ZeRO-3 / FSDP / HSDP (flat units mix frozen and trained weights) and pipelines are refused in one line
+  (:func:`check_one_process`).
 """
 
 from __future__ import annotations
@@ -40,9 +45,18 @@ LORA_HEAD_STATE = "lora_head_state"  # trainer-state key of a scalar-head model'
 
 
 def check_one_process(config: RunConfig, distributed: bool, command: str) -> None:
-    """Refuse ``--lora-rank`` under torchrun (one line)."""
-    if distributed and config.lora_rank:
-        raise ValueError(f"--lora-rank runs in one process for now: start spinwheel {command} without torchrun")
+    """Refuse ``--lora-rank`` under a torchrun layout it does not run on (one line): it runs in one process and
+    under DDP, ZeRO-1/2 and tensor parallelism (and their products), not under the fully sharded layouts or a
+    pipeline."""
+    if not (distributed and config.lora_rank):
+        return
+    p = config.parallel
+    flags = {"--zero 3": p.zero == 3, "--fsdp": p.fsdp and not p.hsdp, f"--hsdp {p.hsdp}": p.hsdp, "--pp": p.pp > 1}
+    if refused := [flag for flag, on in flags.items() if on]:
+        raise ValueError(
+            f"spinwheel {command} --lora-rank runs under DDP (--zero 0), --zero 1, --zero 2 and --tp, not "
+            f"{' '.join(refused)}: the adapters are small, so --zero 1/2 already shard all their optimizer state"
+        )
 
 
 def load_run_model(config: RunConfig, run: Run, **load: Any) -> Transformer:
@@ -66,7 +80,7 @@ def adapt_scalar_head(model: Transformer, config: RunConfig, state: dict[str, An
         return model
     apply_lora(model, lora, seed=config.seed)
     model.lm_head.weight.requires_grad_(True)
-    if state is not None:
+    if state is not None and LORA_HEAD_STATE in state:  # absent under TP: the sharded state restores them
         saved = state[LORA_HEAD_STATE]
         with torch.no_grad():
             for name, p in lora_head_parameters(model).items():

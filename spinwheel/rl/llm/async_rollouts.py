@@ -22,6 +22,7 @@ ahead is played again (for K = 0, exactly as the uninterrupted run did).
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -31,9 +32,12 @@ from typing import Any
 
 import torch
 
+from spinwheel.engine import LLM
 from spinwheel.rl.llm.episode_tokens import Episode
 
+KV_ON_UPDATE = ("keep", "recompute")  # what a weight swap does to the K/V of the sequences it finds running
 POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
+MAX_RESTARTS = 3  # engine-process restarts within one step before the step fails
 
 
 @dataclass
@@ -108,9 +112,11 @@ class VersionedEngine:
     their KV) and it keeps, per request, the version its tokens started under and the output length of each
     sample at every later swap — what :meth:`token_versions` turns into one version per sampled token."""
 
-    def __init__(self, engine: Any, box: WeightBox, version: int) -> None:
-        self.inner, self.box, self.version = engine, box, version
-        self.num_swaps = 0
+    def __init__(self, engine: Any, box: WeightBox, version: int, kv: str = "keep") -> None:
+        if kv not in KV_ON_UPDATE:
+            raise ValueError(f"--kv-on-update must be one of {', '.join(KV_ON_UPDATE)}, got {kv!r}")
+        self.inner, self.box, self.version, self.kv = engine, box, version, kv
+        self.num_swaps = self.num_recomputed = 0  # weight swaps; groups whose K/V a swap made recompute
         self._start: dict[str, int] = {}  # request id -> the version current when it was added
         self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (id, sample) -> [(tokens before, version)]
 
@@ -126,6 +132,8 @@ class VersionedEngine:
         if version > self.version and state is not None:
             self._mark(version)
             self.inner.update_weights(state)  # copies into the engine's weights; drops the prefix cache
+            if self.kv == "recompute":  # every running sequence is prefilled again under the new weights
+                self.num_recomputed += self.inner.scheduler.recompute_all()
             self.version, self.num_swaps = version, self.num_swaps + 1
         return self.inner.step(stream)
 
@@ -154,29 +162,35 @@ class VersionedEngine:
 class RolloutProducer:
     """The producer thread (module docstring): plays steps ``first .. end − 1`` with ``play``, each once version
     ``step − max_ahead`` is published; :meth:`take` hands the trainer the next batch (or raises what the producer
-    raised: a failed step fails the trainer's step, before any weight changed)."""
+    raised: a failed step fails the trainer's step, before any weight changed). ``engine``: an engine in this
+    process, or an :class:`~spinwheel.rl.llm.rollout_engine.EngineProcess` (restarted when it dies, the step played
+    again). The trainer waits at most ``timeout_s`` for a batch."""
 
-    def __init__(self, play: Play, engine: Any, first: int, end: int, max_ahead: int) -> None:
-        self.play, self.first, self.end, self.max_ahead = play, first, end, max_ahead
+    def __init__(
+        self, play: Play, engine: Any, first: int, end: int, max_ahead: int, kv: str = "keep",
+        timeout_s: float | None = None,
+    ) -> None:  # fmt: skip
+        self.play, self.first, self.end, self.max_ahead, self.timeout_s = play, first, end, max_ahead, timeout_s
         self.box = WeightBox(first)
-        self.engine = VersionedEngine(engine, self.box, first)
+        remote = getattr(engine, "versioned", None)
+        self.engine = remote(self.box, first, kv) if remote else VersionedEngine(engine, self.box, first, kv)
         self.queue: queue.Queue = queue.Queue(maxsize=max_ahead + 1)
         # A thread's own count (OpenMP). K = 0 never overlaps: the producer takes the trainer's count (the same
         # numerics as the synchronous loop); K >= 1 splits the threads between the two, which run at once.
         self.trainer_threads = torch.get_num_threads()
-        self.num_threads = self.trainer_threads if max_ahead == 0 else max(1, self.trainer_threads // 2)
+        self.num_threads = producer_threads(max_ahead)
         self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self.started = False
+        self.regenerated = 0  # episodes played again after the engine process died
 
     def _run(self) -> None:
         torch.set_num_threads(self.num_threads)
-        llm = _EngineRef(self.engine)
         try:
             for step in range(self.first, self.end):
                 start = time.perf_counter()
                 self.box.wait_for(step - self.max_ahead)
                 ready = time.perf_counter()
-                episodes, score_s = self.play(step, llm=llm, token_versions=self.engine.token_versions)
+                episodes, score_s = self._play(step)
                 self.engine.forget()
                 played = time.perf_counter() - ready
                 times = {"generate": played - score_s, "score": score_s, "wait_weights": ready - start}
@@ -184,7 +198,26 @@ class RolloutProducer:
         except Closed:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it in its step
-            self._put(e)
+            if not self.box.closed:
+                self._put(e)
+
+    def _play(self, step: int) -> tuple[list[Episode], float]:
+        """The step's episodes; when the engine process dies meanwhile, on a new one, from the step's start (the
+        episodes of the lost attempt are counted in ``regenerated``; the trainer saw none of them)."""
+        from spinwheel.rl.llm.rollout_engine import EngineDied
+
+        for attempt in range(MAX_RESTARTS + 1):
+            try:
+                llm, versions = _EngineRef(self.engine), self.engine.token_versions
+                episodes, score_s = self.play(step, llm=llm, token_versions=versions)
+                if attempt:
+                    self.regenerated += len(episodes)
+                return episodes, score_s
+            except EngineDied:
+                if self.box.closed or attempt == MAX_RESTARTS:
+                    raise
+                self.engine.restart()
+        raise AssertionError("unreachable")
 
     def _put(self, item: Rollout | BaseException) -> None:
         while not self.box.closed:
@@ -208,6 +241,11 @@ class RolloutProducer:
             except queue.Empty:
                 if not self.thread.is_alive():
                     raise RuntimeError("the rollout producer stopped without a batch (a bug)") from None
+                if self.timeout_s and time.perf_counter() - start > self.timeout_s:
+                    raise TimeoutError(
+                        f"the rollout producer handed no batch for step {step} in {self.timeout_s:g} s (--timeout-s): "
+                        "it hangs; the run stops"
+                    ) from None
         if isinstance(item, BaseException):
             raise item
         if item.step != step:
@@ -218,14 +256,53 @@ class RolloutProducer:
     def publish(self, version: int, model: torch.nn.Module) -> None:
         self.box.publish(version, model)
 
+    def figures(self) -> dict[str, float]:
+        """Cumulative counts for the step's record: weight swaps, groups whose KV a swap recomputed, and with the
+        engine process its restarts, the episodes played again and the weights copied to it (seconds, MiB)."""
+        e = self.engine
+        out = {"weight_swaps": float(e.num_swaps), "kv_recomputed": float(e.num_recomputed)}
+        if hasattr(e, "restarts"):
+            out.update(engine_restarts=float(e.restarts), regenerated_samples=float(self.regenerated))
+            out.update(weight_publish_s=e.publish_s, weight_publish_mb=e.published_bytes / 2**20)
+        return out
+
     def close(self) -> None:
         self.box.close()
+        if hasattr(self.engine, "kill"):
+            self.engine.close()  # a producer waiting on the child gets EngineDied and, closed, returns
         while not self.queue.empty():
             self.queue.get_nowait()
         if self.thread.is_alive():
             self.thread.join(timeout=30)
         if self.started:
             torch.set_num_threads(self.trainer_threads)
+
+
+def check_async_options(config: Any) -> None:
+    """One-line refusals of the producer's options where they cannot act (RLConfig calls this)."""
+    if config.max_staleness is None:
+        if config.kv_on_update != "keep" or config.rollout_engine != "thread":
+            raise ValueError("--kv-on-update and --rollout-engine act on the rollout producer: give --max-staleness K")
+    elif config.rollout_engine == "process" and config.lora_rank:
+        raise ValueError("--rollout-engine process does not take --lora-rank yet: use the thread producer (default)")
+
+
+def producer_threads(max_ahead: int) -> int:
+    """The producer's torch threads: all of them at K = 0 (no overlap: the synchronous numerics), half at K >= 1."""
+    return torch.get_num_threads() if max_ahead == 0 else max(1, torch.get_num_threads() // 2)
+
+
+def make_producer(config: Any, play: Play, model: torch.nn.Module, tokenizer: Any, options: dict, first: int, end: int):
+    """(an object whose ``.engine.model`` has the engine copy's size, the producer) of ``--max-staleness``: the
+    engine on a copy of ``model``'s weights, in this process or (``--rollout-engine process``) in a child."""
+    k, kv, timeout = config.max_staleness, config.kv_on_update, config.parallel.timeout_s
+    if config.rollout_engine == "process":
+        from spinwheel.rl.llm.rollout_engine import EngineProcess
+
+        engine: Any = EngineProcess(model, tokenizer, options, first, kv, producer_threads(k), timeout)
+    else:
+        engine = LLM(copy.deepcopy(model).requires_grad_(False), tokenizer, **options).engine
+    return _EngineRef(engine), RolloutProducer(play, engine, first, end, k, kv, timeout)
 
 
 @dataclass

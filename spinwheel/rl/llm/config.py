@@ -159,6 +159,18 @@ class RLConfig(RunConfig):
         "(default 0: the synchronous run); one trainer rank for now",
         group="rollout",
     )
+    kv_on_update: Literal["keep", "recompute"] = option(
+        "keep",
+        help="with --max-staleness: what new weights do to the sequences they find running: keep their KV (stale, "
+        "as PipelineRL) or recompute it (each is prefilled again, prompt and sampled tokens, under the new weights)",
+        group="rollout",
+    )
+    rollout_engine: Literal["thread", "process"] = option(
+        "thread",
+        help="with --max-staleness: the producer's engine steps on a thread of this process, or in a child process "
+        "of its own that takes each update's weights through shared memory (restarted if it dies)",
+        group="rollout",
+    )
     mis_cap: float | None = option(
         None,
         help="sequence-level masked importance sampling: drop from the loss the sequences whose ratio "
@@ -171,6 +183,7 @@ class RLConfig(RunConfig):
 
     def __post_init__(self) -> None:
         from spinwheel.rl.llm.algorithms import ALGORITHM_OPTIONS, ALGORITHMS  # the registry imports this module
+        from spinwheel.rl.llm.async_rollouts import check_async_options
 
         if self.algo not in ALGORITHMS:
             raise ValueError(f"--algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
@@ -186,6 +199,7 @@ class RLConfig(RunConfig):
         )
         check_ranges(self, at_least_1=("max_turns", "max_episode_tokens"), positive=("env_timeout_s",))
         check_ranges(self, non_negative=("max_staleness",), at_least_1=("mis_cap", "rollout_ranks"))
+        check_async_options(self)
         if self.env is not None and (self.data is not None or self.reward != "task" or self.reward_model):
             raise ValueError(
                 "--env takes its prompts and rewards from the environment: drop --data / --reward / --reward-model "

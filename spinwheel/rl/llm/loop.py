@@ -15,7 +15,6 @@ update's own forward, detached, and no separate old-policy forward runs (:func:`
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -29,7 +28,13 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.rl.llm.algorithms import ALGORITHMS, Algorithm, Parts
-from spinwheel.rl.llm.async_rollouts import RolloutProducer, SyncRollouts, staleness_figures, token_versions
+from spinwheel.rl.llm.async_rollouts import (
+    RolloutProducer,
+    SyncRollouts,
+    make_producer,
+    staleness_figures,
+    token_versions,
+)
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards, mean_info
 from spinwheel.rl.llm.episodes import EpisodesInterrupted
@@ -164,9 +169,10 @@ class RLJob:
         if c.max_staleness is None:
             self.llm = self.eval_llm = LLM(model, self.tokenizer, **self.engine_options)
             return SyncRollouts(self.play, self.sync_engine)
-        self.llm = LLM(copy.deepcopy(model).requires_grad_(False), self.tokenizer, **self.engine_options)
         self.eval_llm = None
-        return RolloutProducer(self.play, self.llm.engine, self.run.start_step, self.run.end_step, c.max_staleness)
+        start, end = self.run.start_step, self.run.end_step
+        self.llm, producer = make_producer(c, self.play, model, self.tokenizer, self.engine_options, start, end)
+        return producer
 
     def sync_engine(self) -> None:
         self.learner.sync_engine_model()
@@ -213,7 +219,7 @@ class RLJob:
             return None, None, {}
         versions = token_versions(episodes, mask.shape[1], step).to(mask.device)
         fresh, figures = staleness_figures(versions, mask, step, self.config.max_staleness)
-        figures["weight_swaps"] = float(self.rollouts.engine.num_swaps)  # type: ignore[union-attr]
+        figures.update(self.rollouts.figures())  # type: ignore[union-attr]
         return ((versions < step) & (mask != 0)).to(mask.dtype), fresh, figures
 
     def overlap(self, start: float, times: dict[str, float]) -> dict[str, float]:
