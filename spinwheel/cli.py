@@ -174,6 +174,14 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tensor-parallel degree (short for --engine-tensor-parallel-size)",
     )
+    p.add_argument(
+        "--pp",
+        dest="engine_pipeline_parallel_size",
+        type=int,
+        default=argparse.SUPPRESS,
+        metavar="P",
+        help="pipeline-parallel degree (short for --engine-pipeline-parallel-size)",
+    )
 
 
 def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:

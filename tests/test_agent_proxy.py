@@ -212,3 +212,58 @@ def test_calculator_agent_and_grpo_on_recorded_episodes_raises_the_reward():
 def test_agent_train_command_bad_agent_is_one_line():
     with pytest.raises(SystemExit, match="agent_train: error: --agent 'nope:f': cannot import nope"):
         main(["--model", "test", "--agent", "nope:f", "--tasks", f"{EXAMPLE}:task"])
+
+
+DIGITS_AGENT = """
+RUNS = []  # (split, reward) of every run, in the order they finished
+
+
+def agent(client, task):
+    text = client.completions.create(model="m", prompt=task["p"], max_tokens=4,
+                                     temperature=task["temperature"]).choices[0].text
+    more = client.completions.create(model="m", prompt=task["p"] + text + ";", max_tokens=4,
+                                     temperature=task["temperature"]).choices[0].text
+    reward = sum(ch.isdigit() for ch in text + more) / 8
+    RUNS.append((task["split"], reward))
+    return reward
+
+
+def task(seed, split):
+    return {"p": "abcdefgh"[seed % 8], "split": split}
+"""
+
+
+def test_grpo_agent_option_trains_on_the_agent_runs(tmp_path, monkeypatch):
+    """``spinwheel grpo --agent``: the RL loop's episodes are the agent's runs (tokens as the engine sampled them,
+    the step's reward the agent's), held-out evaluation greedy on test-split tasks; bad specs are one line."""
+    import sys
+
+    from helpers import small_config
+
+    from spinwheel.rl.llm import train_rl
+    from spinwheel.rl.llm.agent_run import AgentTasks
+    from spinwheel.train.metrics import read_metrics
+
+    (tmp_path / "digits_agent.py").write_text(DIGITS_AGENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = dict(data=None, reward="task", agent="digits_agent:agent", steps=1, prompts_per_step=2, group_size=2)
+    train_rl(small_config(tmp_path / "run", **base, eval_examples=2, beta=0.0))
+    runs = sys.modules["digits_agent"].RUNS
+    recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in recs if "reward_mean" in r]
+    assert len(steps) == 1 and all(r["episodes"] == 4 and r["episodes_failed"] == 0 for r in steps)
+    assert all(r["mismatch_max"] < 1e-4 for r in steps)  # trained on the tokens the engine sampled
+    train = [reward for split, reward in runs if split == "train"]
+    assert len(train) == 4 and sum(r["reward_mean"] for r in steps) * 4 == pytest.approx(sum(train), abs=1e-6)
+    evals = [r for r in recs if "eval_reward" in r]
+    assert evals[-1]["eval_agent_calls"] == 2 and sum(split == "test" for split, _ in runs) == 2 * len(evals)
+    for kw, needle in [
+        (dict(agent="nope:f"), "--agent 'nope:f': cannot import nope"),
+        (dict(agent="digits_agent:agent", agent_tasks="digits_agent:nope"), "--agent-tasks 'digits_agent:nope'"),
+        (dict(agent="spinwheel.rl.llm.agent_proxy:load_agent"), "its module has no function task"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            AgentTasks(small_config(tmp_path / "bad", **{**base, **kw}))
+    for kw, needle in [(dict(env="guess"), "--agent takes its tasks"), (dict(algo="ppo"), "--agent trains with")]:
+        with pytest.raises(ValueError, match=needle):
+            small_config(tmp_path / "bad", **{**base, **kw})

@@ -65,6 +65,11 @@ class EngineConfig:
         "each rank holds 1/N of the weights (Megatron split) and of every KV block; N must divide the heads, KV "
         "heads, MLP width and vocabulary",
     )
+    pipeline_parallel_size: int = option(
+        1,
+        help="pipeline-parallel degree: the model's layers in P contiguous stages on P processes (gloo on CPU, NCCL "
+        "on GPUs 0..P-1), P micro-batches in flight (Orca's inter-layer parallelism); P must divide the layers",
+    )
     seed: int = option(0, help="seed of the engine's generator for requests without their own seed")
     dtype: str | None = option(None, help="model dtype when loading from a path (default: the checkpoint's)")
     device: str | None = option(None, help="device when loading from a path (default: cuda if available)")
@@ -73,11 +78,22 @@ class EngineConfig:
         # Field names in the messages: the commands spell them as their --engine-* options (config.from_args).
         check_ranges(
             self,
-            at_least_1=("block_size", "num_kv_blocks", "onednn_cache_capacity", "max_num_seqs", "tensor_parallel_size"),
+            at_least_1=(
+                "block_size",
+                "num_kv_blocks",
+                "onednn_cache_capacity",
+                "max_num_seqs",
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+            ),
             non_negative=("num_cpu_blocks", "swap_space_mb"),
             positive=("kv_cache_memory_mb",),
             name=str,
         )
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size cannot both be > 1 yet: pick one (--tp or --pp)"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -97,8 +97,8 @@ def supports(model: Transformer) -> bool:
     a CPU with oneDNN's packed linear."""
     if model.device.type != "cpu" or model.dtype != torch.float32 or not onednn_linear_available():
         return False
-    if type(model.lm_head) is not nn.Linear or type(model.norm) is not RMSNorm:
-        return False
+    if type(model.lm_head) not in (nn.Linear, type(None)) or type(model.norm) not in (RMSNorm, type(None)):
+        return False  # None: a pipeline stage without the output end (spinwheel.engine.pp_stage)
     for layer in model.layers:
         att, mlp = layer.self_attn, layer.mlp
         linears = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -182,16 +182,19 @@ class PackedWeights:
                     _Packed([mlp.down_proj]),
                 )
             )
-        self.lm_head = _Packed([model.lm_head])
+        self.lm_head = _Packed([model.lm_head]) if model.lm_head is not None else None  # None: a pipeline stage's
         self.refresh()
-        nbytes = sum(p.weight.numel() * 4 for group in self.layers for p in group)  # type: ignore[union-attr]
-        logger.info("oneDNN-packed projection weights: %.1f MiB", (nbytes + model.lm_head.weight.numel() * 4) / 2**20)
+        nbytes = sum(p.weight.numel() * 4 for p in self._all())  # type: ignore[union-attr]
+        logger.info("oneDNN-packed projection weights: %.1f MiB", nbytes / 2**20)
+
+    def _all(self) -> list[_Packed]:
+        return [q for group in self.layers for q in group] + ([self.lm_head] if self.lm_head is not None else [])
 
     def refresh(self, force: bool = False) -> int:
         """Repack every group whose parameters changed since it was packed (all with ``force``); returns how many
         were repacked."""
         n = 0
-        for p in [q for group in self.layers for q in group] + [self.lm_head]:
+        for p in self._all():
             if force or p.weight is None or p.stale():
                 p.pack()
                 n += 1
@@ -224,13 +227,16 @@ def hidden_states(
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
     fused: bool,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids, positions (N,) -> final normalised hidden states (N, C). New K/V go to the caches at
     ``meta.slot_mapping`` (the runner has checked those slots). ``fused``: use the C kernels of
     :mod:`spinwheel.engine.cpu_kernels` for RMSNorm, RoPE + K/V writes and silu * up, else PyTorch ops. Projections
-    wrapped for multi-LoRA serving add their adapters' updates to the packed GEMMs' outputs."""
+    wrapped for multi-LoRA serving add their adapters' updates to the packed GEMMs' outputs. A pipeline stage
+    (:mod:`~spinwheel.engine.pp_stage`) passes ``x``, the hidden states (N, C) entering its first layer, and one
+    without the final norm (None) gets its last layer's output."""
     n = input_ids.shape[0]
-    x = model.embed_tokens.weight.index_select(0, input_ids)  # (N, C)
+    x = model.embed_tokens.weight.index_select(0, input_ids) if x is None else x  # (N, C)
     freqs = positions.float()[:, None] * model.rotary.inv_freq.float()  # (N, D/2)
     cos, sin = freqs.cos(), freqs.sin()
     for i, (layer, (qkv_p, o_p, gate_up_p, down_p)) in enumerate(zip(model.layers, packed.layers)):
@@ -260,4 +266,4 @@ def hidden_states(
             gate, up = gate_up.chunk(2, dim=1)
             act = F.silu(gate) * up
         x = _add_lora(down_p.add_to(act, x), act, layer.mlp.down_proj)
-    return _rms_norm(x, model.norm, fused)
+    return x if model.norm is None else _rms_norm(x, model.norm, fused)

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.llm_engine import EngineStats, LLMEngine
+from spinwheel.engine.llm_engine import EngineStats
 from spinwheel.engine.outputs import RequestOutput
+from spinwheel.engine.pp_engine import engine_class
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.tp_worker import check_checkpoint_tp_degree
 from spinwheel.models.tokenizer import Tokenizer
@@ -33,10 +34,11 @@ class LLM:
         config = EngineConfig(**engine_config)
         if config.tensor_parallel_size > 1 and not isinstance(model_or_path, Transformer):
             check_checkpoint_tp_degree(model_or_path, config.tensor_parallel_size)  # before loading the weights
+        engine = engine_class(config)  # the pipeline-parallel engine with pipeline_parallel_size > 1
         if isinstance(model_or_path, Transformer):
-            self.engine = LLMEngine(model_or_path, tokenizer, config)
+            self.engine = engine(model_or_path, tokenizer, config)
         else:
-            self.engine = LLMEngine.from_pretrained(model_or_path, config, tokenizer)
+            self.engine = engine.from_pretrained(model_or_path, config, tokenizer)
         self._counter = 0
 
     @property
@@ -113,7 +115,8 @@ class LLM:
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
         """New weights from the trainer (in process); invalidates the prefix cache."""
         if self.engine.executor is not None:
-            raise NotImplementedError("update_weights under tensor parallelism (resharding) is not built yet")
+            kind = "pipeline" if self.engine.config.pipeline_parallel_size > 1 else "tensor"
+            raise NotImplementedError(f"update_weights under {kind} parallelism (resharding) is not built yet")
         self.engine.update_weights(model_or_state_dict)
 
     def stats(self) -> EngineStats:

@@ -37,6 +37,7 @@ from typing import Any
 
 from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
 from spinwheel.engine.isolation import INTERNAL_ERROR
+from spinwheel.engine.pp_engine import engine_class
 from spinwheel.engine.tp_executor import TensorParallelError
 from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.tokenizer import Tokenizer
@@ -71,10 +72,11 @@ class EngineSpec:
     def build(self) -> LLMEngine:
         """The engine, whose output processor decodes nothing: the API process does (text prompts are still
         tokenized by ``add_request``, and EOS comes from the tokenizer), serving ``loras``."""
+        engine_cls = engine_class(self.config)  # the pipeline-parallel engine with --pp > 1
         if isinstance(self.model, Transformer):
-            engine = LLMEngine(self.model, self.load_tokenizer(), self.config)
+            engine = engine_cls(self.model, self.load_tokenizer(), self.config)
         else:
-            engine = LLMEngine.from_pretrained(self.model, self.config, self.load_tokenizer())
+            engine = engine_cls.from_pretrained(self.model, self.config, self.load_tokenizer())
         for name, path in self.loras.items():
             engine.loras.add(name, path)
         engine.output_processor.tokenizer = None

@@ -18,6 +18,7 @@ from typing import Literal
 
 from spinwheel.config import check_ranges, option
 from spinwheel.engine import EngineConfig, LLMEngine
+from spinwheel.engine.pp_engine import engine_class
 from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.lora_io import read_adapter_config
 from spinwheel.server.app import OpenAIServer
@@ -180,7 +181,7 @@ def build_server(
             import torch
 
             torch.set_num_threads(config.num_threads)
-        engine = LLMEngine.from_pretrained(config.model, engine_config)
+        engine = engine_class(engine_config).from_pretrained(config.model, engine_config)
         for name, path in config.loras().items():
             engine.loras.add(name, path)
         if config.warmup:

@@ -61,6 +61,20 @@ class RLConfig(RunConfig):
     env_arg: tuple[str, ...] = option(
         (), help="the environment's options as key=value (repeatable)", group="model and data", repeat=True
     )
+    agent: str | None = option(
+        None,
+        help="a black-box agent 'module:function' or 'path/to/file.py:function', agent(openai_client, task) -> "
+        "reward, trained on the tokens its calls made the policy sample (instead of --env; grpo, rloo, reinforce-pp)",
+        group="model and data",
+    )
+    agent_tasks: str | None = option(
+        None,
+        help="the agent's tasks, task(seed, split) -> dict (default: task of --agent's module)",
+        group="model and data",
+    )
+    agent_timeout_s: float = option(
+        120.0, help="seconds one agent run may take; past it its episode fails", group="rollout"
+    )
     max_turns: int | None = option(
         None, help="model turns per episode at most (default: the environment's)", group="rollout"
     )
@@ -182,6 +196,7 @@ class RLConfig(RunConfig):
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(**RL_ENGINE_DEFAULTS), metadata={"cli": False})
 
     def __post_init__(self) -> None:
+        from spinwheel.rl.llm.agent_run import check_agent_options
         from spinwheel.rl.llm.algorithms import ALGORITHM_OPTIONS, ALGORITHMS  # the registry imports this module
         from spinwheel.rl.llm.async_rollouts import check_async_options
 
@@ -205,6 +220,7 @@ class RLConfig(RunConfig):
                 "--env takes its prompts and rewards from the environment: drop --data / --reward / --reward-model "
                 "(a JSONL with a reward function is --env dataset --env-arg data=PATH reward=module:function)"
             )
+        check_agent_options(self)
         if self.env_arg and self.env is None:
             raise ValueError("--env-arg passes options to an environment: give --env too")
         if self.group_size < 2:

@@ -254,7 +254,7 @@ class RLJob:
         episodes = [e for part in gather_dp(mine, self.dims) for e in part]
         failed = [e for e in episodes if e.failed]
         if 2 * len(failed) > len(episodes):
-            where = c.env or "the run's prompts"
+            where = c.env or c.agent or "the run's prompts"
             raise StepFailed(
                 EnvError(f"{len(failed)} of {len(episodes)} episodes of {where} failed: {failed[0].error}")
             )

@@ -1,0 +1,211 @@
+"""The pipeline-parallel engine: P micro-batches in flight through P stages (Orca's inter-layer parallelism).
+
+An engine iteration needs the tokens its previous one sampled, so one batch alone would leave all stages but one
+idle. :class:`PPEngine` splits the requests into P disjoint micro-batches (vLLM's *virtual engines*): each has its
+own scheduler and block manager over its own slice of the KV pool (blocks ``[b·n, (b+1)·n)`` of every stage's pool,
+so its block ids are global and the stages need no translation), and a new request joins the one with the fewest
+requests. A step launches every micro-batch that is not in flight (schedule, then stage 0's layers; the stages after
+it work on earlier ones meanwhile), then takes the logits of the oldest one in flight and processes them exactly as
+:class:`~spinwheel.engine.llm_engine.LLMEngine` does (the sampler runs here, on the driver): while the driver samples
+micro-batch b and runs stage 0 of its next iteration, the last stage computes micro-batch b'.
+
+Everything the engine does per micro-batch is the one-device code: chunked prefill, prefix caching (within a
+micro-batch), parallel sampling and beams with copy-on-write, swap and recompute preemption; the block moves of an
+iteration travel with it to every stage. An abort or a stop string for a request whose iteration is in flight is
+applied once that iteration is back. Not yet: LoRA adapters, ``update_weights`` and combining with tensor
+parallelism (refused in one line). Each micro-batch owns 1/P of the pool, so a request must fit in that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections import deque
+
+import torch
+
+from spinwheel.engine.block_manager import BlockManager
+from spinwheel.engine.block_pool import BlockPool
+from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.llm_engine import LLMEngine, flush_denormal
+from spinwheel.engine.outputs import EngineStats
+from spinwheel.engine.pp_stage import check_checkpoint_pp_degree
+from spinwheel.engine.scheduler import Scheduler
+from spinwheel.engine.scheduler_output import SchedulerOutput
+from spinwheel.engine.sequence import SequenceGroup
+from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.models.transformer import Transformer
+from spinwheel.threads import fit_threads
+
+logger = logging.getLogger(__name__)
+
+
+class _PoolSlice(BlockPool):
+    """The blocks ``[start, start + n)`` of the stages' pool: one micro-batch's (ids below ``start`` exist, unused)."""
+
+    def __init__(self, start: int, n: int) -> None:
+        super().__init__(start + n)
+        self.num_blocks = n
+        self._free = deque(range(start, start + n))
+
+
+class _MicroBatch:
+    """One virtual engine: its scheduler and block manager, whether an iteration of it is in flight, and the aborts
+    and stops that wait for that iteration."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler, self.block_manager = scheduler, scheduler.block_manager
+        self.busy = False
+        self.deferred: list[tuple] = []
+
+    def holds(self, request_id: str) -> bool:
+        s = self.scheduler
+        return any(g.request_id == request_id for q in (s.waiting, s.running, s.swapped) for g in q)
+
+    @property
+    def load(self) -> int:
+        s = self.scheduler
+        return len(s.waiting) + len(s.running) + len(s.swapped)
+
+
+class PPEngine(LLMEngine):
+    """:class:`LLMEngine` over a P-stage pipeline with P micro-batches in flight."""
+
+    def __init__(
+        self, model: Transformer, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
+    ) -> None:
+        super().__init__(model, tokenizer, config)  # pp_executor.make_runner: stage 0 here, the others spawned
+        config, pp = self.config, self.config.pipeline_parallel_size
+        n, m, bs = self.runner.num_blocks // pp, self.runner.num_cpu_blocks // pp, config.block_size
+        if config.max_model_len is None and self.max_model_len > n * bs:
+            logger.warning("max_model_len capped to %d tokens, what one micro-batch's KV pool holds", n * bs)
+            self.max_model_len = self.output_processor.max_model_len = n * bs
+        seq_ids = itertools.count()  # sequence ids unique across micro-batches (the sampler keys rows by them)
+        self.micro: list[_MicroBatch] = []
+        for b in range(pp):
+            bm = BlockManager(n, m, bs, config.enable_prefix_caching)
+            bm.gpu, bm.cpu = _PoolSlice(b * n, n), _PoolSlice(b * m, m)
+            scheduler = Scheduler(config, bm, self.max_model_len)
+            scheduler._seq_ids = seq_ids
+            self.micro.append(_MicroBatch(scheduler))
+        self._in_flight: deque[tuple[_MicroBatch, SchedulerOutput]] = deque()
+        self._use(self.micro[0])
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None
+    ) -> PPEngine:
+        """:meth:`LLMEngine.from_pretrained`, the PP degree checked on the checkpoint's config first."""
+        check_checkpoint_pp_degree(path_or_preset, (config or EngineConfig()).pipeline_parallel_size)
+        return super().from_pretrained(path_or_preset, config, tokenizer)  # type: ignore[return-value]
+
+    def _use(self, micro: _MicroBatch) -> None:
+        self.scheduler, self.block_manager = micro.scheduler, micro.block_manager
+
+    # ---- requests ----
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params=None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request in the micro-batch with the fewest requests."""
+        self._use(min(self.micro, key=lambda mb: mb.load))
+        super().add_request(request_id, prompt, params, arrival_time)
+
+    def abort(self, request_id: str) -> bool:
+        for micro in self.micro:
+            if micro.holds(request_id):
+                if micro.busy:  # its blocks are being computed on: abort once the iteration is back
+                    micro.deferred.append(("abort", request_id))
+                    return True
+                self._use(micro)
+                return super().abort(request_id)
+        return False
+
+    def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
+        for micro in self.micro:
+            if micro.holds(request_id):
+                if micro.busy:
+                    micro.deferred.append(("stop", request_id, index, stop_reason))
+                else:
+                    self._use(micro)
+                    super().stop_sample(request_id, index, stop_reason)
+
+    # ---- the step ----
+    def step_groups(self, stream: bool = True) -> list[SequenceGroup]:
+        """Launch every micro-batch not in flight, then process the oldest one in flight."""
+        fit_threads()
+        with flush_denormal(self.config.flush_denormal):
+            groups = self._launch(stream)
+            if not self._in_flight:
+                return groups
+            micro, out = self._in_flight.popleft()
+            step = self.executor.collect()  # type: ignore[union-attr]
+            micro.busy = False
+            self._use(micro)
+            touched = self._process(out, step)
+            groups += self._outputs(out, touched, stream)
+            deferred, micro.deferred = micro.deferred, []
+            for command in deferred:
+                if command[0] == "abort":
+                    super().abort(command[1])
+                else:
+                    super().stop_sample(*command[1:])
+            return groups
+
+    def _launch(self, stream: bool) -> list[SequenceGroup]:
+        groups: list[SequenceGroup] = []
+        for micro in self.micro:
+            if micro.busy:
+                continue
+            self._use(micro)
+            out = self.scheduler.schedule()
+            if self.executor.launch(out):  # type: ignore[union-attr]
+                micro.busy = True
+                self._in_flight.append((micro, out))
+            else:  # nothing to run (or only blocks moved): its rejected requests and finished ones still end
+                groups += self._outputs(out, {}, stream)
+        return groups
+
+    # ---- what is not per micro-batch ----
+    def stats(self) -> EngineStats:
+        parts = []
+        for micro in self.micro:
+            self._use(micro)
+            parts.append(super().stats())
+        blocks = sum(p.num_blocks for p in parts)
+        free = sum(p.num_free_blocks for p in parts)
+        queried = sum(mb.block_manager.num_prefix_queried_tokens for mb in self.micro)
+        hits = sum(mb.block_manager.num_prefix_hit_tokens for mb in self.micro)
+        return EngineStats(
+            sum(p.num_running for p in parts),
+            sum(p.num_waiting for p in parts),
+            sum(p.num_swapped for p in parts),
+            (blocks - free) / blocks,
+            free,
+            blocks,
+            sum(p.num_preemptions for p in parts),
+            hits / max(1, queried),
+            parts[0].num_prompt_tokens,
+            parts[0].num_generated_tokens,
+            parts[0].generation_tokens_per_s,
+        )
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        held = filled = 0
+        for micro in self.micro:
+            self._use(micro)
+            h, f = super().kv_slot_usage()
+            held, filled = held + h, filled + f
+        return held, filled
+
+    def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError("update_weights under pipeline parallelism is not built yet (issue 26)")
+
+
+def engine_class(config: EngineConfig) -> type[LLMEngine]:
+    """The engine a config asks for: :class:`PPEngine` with ``pipeline_parallel_size`` > 1, else LLMEngine."""
+    return PPEngine if config.pipeline_parallel_size > 1 else LLMEngine

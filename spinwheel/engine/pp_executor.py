@@ -1,0 +1,271 @@
+"""The driver's side of a pipeline-parallel engine (``EngineConfig.pipeline_parallel_size = P``), and the stages'.
+
+The process that owns the engine is the driver: rank 0 of a P-process ``torch.distributed`` world (gloo on CPU,
+NCCL when the model is on a GPU, rank r on GPU r) and stage 0 (:mod:`~spinwheel.engine.pp_stage`). It spawns the
+P − 1 other stages itself, as :class:`~spinwheel.engine.tp_executor.TPExecutor` spawns its workers (the fork
+server; each stage gets only its own tensors, through shared memory). Per engine iteration
+(:meth:`PPExecutor.launch`) the driver pipes the block moves and the flat batch it prepared to every stage
+(:class:`~spinwheel.engine.pp_stage.PPStep`), runs its own layers and sends the hidden states on (``isend``: it
+does not wait); stage s receives from s − 1, runs its layers and sends to s + 1; the last stage sends the picked
+rows' logits back, which :meth:`PPExecutor.collect` receives. Every stage handles the iterations in the order they
+were launched, so several may be in flight at once: :class:`~spinwheel.engine.pp_engine.PPEngine` keeps P of them
+(one per micro-batch) so the stages stay busy.
+
+Faults: every receive waits at most ``timeout_s``; a stage that exited is noticed before each launch (and when a
+transfer fails), and the engine raises :class:`PipelineParallelError` naming it (a
+:class:`~spinwheel.engine.tp_executor.TensorParallelError`, so whatever handles a lost tensor-parallel worker, such as
+``spinwheel serve``'s engine process, handles a lost stage alike); :meth:`PPExecutor.close` stops or kills the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
+from spinwheel.engine.pp_stage import PPStep, StageModel, StageRunner, check_pp_degree, stage_pool_config, stage_state
+from spinwheel.engine.tp_executor import TensorParallelError, _may_have_children
+from spinwheel.engine.tp_executor import make_runner as make_tp_runner
+from spinwheel.engine.tp_worker import to_device
+from spinwheel.models.transformer import Transformer
+from spinwheel.parallel.comm import Handle
+from spinwheel.parallel.launch import free_port
+
+logger = logging.getLogger(__name__)
+
+PP_TIMEOUT_S = 60.0  # longest wait of a transfer between stages (and of the stages' start-up)
+_HIDDEN, _LOGITS = 1, 2  # message tags
+_PRELOAD = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine", "spinwheel.engine.pp_executor"]
+
+
+class PipelineParallelError(TensorParallelError):
+    """A pipeline stage is gone or a transfer failed: the engine cannot step any more (close it)."""
+
+
+def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
+    """The engine's model runner: stage 0's with the executor that drives the other stages
+    (``pipeline_parallel_size`` > 1), else :func:`spinwheel.engine.tp_executor.make_runner`'s."""
+    if config.pipeline_parallel_size == 1:
+        return make_tp_runner(model, config, max_model_len)
+    executor = PPExecutor(model, config, max_model_len)
+    return executor.runner, executor
+
+
+class PPExecutor:
+    """Spawns and drives the stages of a P-stage pipeline; ``runner`` is the driver's own stage (stage 0)."""
+
+    def __init__(
+        self, model: Transformer, config: EngineConfig, max_model_len: int, timeout_s: float | None = None
+    ) -> None:
+        timeout_s = timeout_s or PP_TIMEOUT_S
+        pp = config.pipeline_parallel_size
+        check_pp_degree(model.config, pp)
+        if dist.is_initialized():
+            raise RuntimeError(
+                "pipeline_parallel_size > 1 starts its own process group, and this process has one already "
+                "(a torchrun job?): run the pipeline-parallel engine in a process of its own"
+            )
+        self.pp, self.failure, self.timeout = pp, None, datetime.timedelta(seconds=timeout_s)
+        self.forwards = 0  # iterations launched that run the model
+        self.most_in_flight = 0  # the most iterations ever in flight at once
+        backend = "nccl" if model.device.type == "cuda" else "gloo"
+        runner_config = stage_pool_config(config, model.config, model.dtype, max_model_len)
+        state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+        init = f"tcp://127.0.0.1:{free_port()}"
+        self.procs, self.conns = [], []
+        with _may_have_children():
+            for stage in range(1, pp):
+                box = [stage_state(state, model.config, pp, stage)]  # emptied once the stage has its copy
+                self._start(
+                    stage, (stage, pp, init, backend, timeout_s), (model.config, box, runner_config, max_model_len)
+                )
+                box.clear()
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=pp, timeout=self.timeout)
+        first = StageModel(model.config, pp, 0, stage_state(state, model.config, pp, 0))
+        del state
+        self.runner = StageRunner(first, runner_config, max_model_len)
+        self.vocab = model.lm_head.out_features
+        self.memory = [self.runner.memory()]  # per stage: layer and edge weights, KV cache (bytes)
+        for stage, conn in enumerate(self.conns, 1):
+            if not conn.poll(timeout_s):
+                self.close()
+                raise PipelineParallelError(f"pipeline stage {stage} did not start within {timeout_s:.0f}s")
+            self.memory.append(conn.recv())
+        self._sends: deque[tuple[Handle, torch.Tensor]] = deque()  # hidden states sent to stage 1, in flight
+        self._pending: deque[StepInputs] = deque()  # iterations launched whose logits have not come back
+        logger.info("pipeline-parallel engine: %d stages (%s), per-stage memory %s", pp, backend, self.memory)
+
+    def _start(self, stage: int, dist_args: tuple, model_args: tuple) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=stage_main, args=(*dist_args, child, *model_args), daemon=True, name=f"pp-stage-{stage}"
+        )
+        proc.start()
+        child.close()  # the stage's end lives in the stage only: the driver's death closes the pipe
+        self.procs.append(proc)
+        self.conns.append(parent)
+
+    def _dead(self) -> str | None:
+        for stage, proc in enumerate(self.procs, 1):
+            if proc.exitcode is not None:
+                return f"pipeline stage {stage} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _send(self, step: PPStep) -> None:
+        if self.failure is None:
+            self.failure = self._dead()
+        if self.failure is not None:
+            raise PipelineParallelError(f"{self.failure}; the engine cannot continue: close it")
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            raise self.error(e) from e
+
+    def launch(self, out) -> bool:
+        """Start one engine iteration (a :class:`~spinwheel.engine.scheduler_output.SchedulerOutput`): every stage
+        gets its block moves and batch, stage 0 runs and sends its hidden states on. True when a forward is now in
+        flight (its logits come from :meth:`collect`, in launch order); False when the iteration only moved blocks
+        (or did nothing)."""
+        moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        inputs = self.runner.prepare_inputs(out.scheduled, out.block_tables) if out.scheduled else None
+        if inputs is None and not any(moves):
+            return False
+        cpu = to_device(inputs, torch.device("cpu")) if self.runner.model.device.type != "cpu" else inputs
+        step = PPStep(*moves, cpu)  # type: ignore[arg-type]
+        self._send(step)
+        self.runner.move(step)
+        if inputs is None:
+            return False
+        hidden = self.runner.stage_forward(inputs).contiguous()
+        try:
+            self._sends.append((Handle(dist.isend(hidden, 1, tag=_HIDDEN), self.timeout), hidden))
+        except (RuntimeError, TimeoutError) as e:
+            raise self.error(e) from e
+        self._pending.append(inputs)
+        self.forwards += 1
+        self.most_in_flight = max(self.most_in_flight, len(self._pending))
+        return True
+
+    def collect(self) -> StepLogits:
+        """The logits of the oldest iteration in flight, from the last stage."""
+        inputs = self._pending.popleft()
+        logits = torch.empty(len(inputs.picks), self.vocab, dtype=torch.float32, device=self.runner.model.device)
+        try:
+            if logits.shape[0]:
+                Handle(dist.irecv(logits, self.pp - 1, tag=_LOGITS), self.timeout).wait()
+            while len(self._sends) > len(self._pending):  # this iteration's hidden states have left
+                self._sends.popleft()[0].wait()
+        except (RuntimeError, TimeoutError) as e:
+            raise self.error(e) from e
+        return StepLogits(logits, inputs.sample_rows, inputs.prompt_rows)
+
+    def error(self, exc: BaseException) -> PipelineParallelError:
+        """The error a failed transfer raises: the stage that is gone if any, else the transfer's own error."""
+        for _ in range(20):  # a killed peer breaks the transfer before its exit code is visible
+            self.failure = self._dead()
+            if self.failure is not None:
+                break
+            for proc in self.procs:
+                proc.join(0.05)
+        self.failure = self.failure or f"a transfer between pipeline stages failed ({exc})"
+        return PipelineParallelError(f"{self.failure}; the engine cannot continue: close it")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the stages (killing any that do not stop within ``timeout_s``) and leave the process group."""
+        stop = pickle.dumps(PPStep([], [], [], None, stop=True))
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                if proc.exitcode is None:
+                    conn.send_bytes(stop)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout_s if self.failure is None else 0.5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout_s)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+        self._sends.clear()
+        self._pending.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def stage_main(
+    stage: int,
+    pp: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float,
+    conn,
+    model_config,
+    box,
+    engine_config,
+    max_model_len: int,
+) -> None:
+    """A stage process: join the group, build this stage's model (its own copy of its tensors) and runner, then
+    run each iteration the driver sends until ``stop`` or until the driver is gone (its end of the pipe closed)."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(stage)
+        device = torch.device("cuda", stage)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))
+    torch.set_flush_denormal(engine_config.flush_denormal)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=stage, world_size=pp, timeout=timeout)
+    try:
+        state = {k: v.to(device, copy=True) for k, v in box.pop().items()}
+        runner = StageRunner(StageModel(model_config, pp, stage, state), engine_config, max_model_len)
+        del state
+        conn.send(runner.memory())
+        _run_stage(conn, runner, stage, pp, timeout)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_stage(conn, runner: ModelRunner, stage: int, pp: int, timeout: datetime.timedelta) -> None:
+    sends: deque[tuple[Handle, torch.Tensor]] = deque()
+    width = runner.model.config.hidden_size
+    while True:
+        try:
+            step = conn.recv()
+        except EOFError:
+            return
+        if step.stop:
+            return
+        runner.move(step)  # type: ignore[attr-defined]
+        inputs = step.inputs
+        if inputs is None:
+            continue
+        device = runner.model.device
+        inputs = to_device(inputs, device) if device.type != "cpu" else inputs
+        hidden = torch.empty(inputs.input_ids.shape[0], width, dtype=runner.model.dtype, device=device)
+        Handle(dist.irecv(hidden, stage - 1, tag=_HIDDEN), timeout).wait()
+        out = runner.stage_forward(inputs, hidden)  # type: ignore[attr-defined]
+        if stage == pp - 1:
+            out, dst, tag = runner.select_rows(out, inputs).logits.contiguous(), 0, _LOGITS
+            if not out.shape[0]:
+                continue  # no row completes: the driver expects nothing
+        else:
+            out, dst, tag = out.contiguous(), stage + 1, _HIDDEN
+        sends.append((Handle(dist.isend(out, dst, tag=tag), timeout), out))
+        while len(sends) > pp:
+            sends.popleft()[0].wait()

@@ -1,0 +1,104 @@
+"""``spinwheel grpo | rloo | reinforce-pp --agent module:function``: the RL run on a black-box agent's episodes.
+
+With ``--agent`` the run's episodes come from an agent written against the OpenAI API
+(:mod:`~spinwheel.rl.llm.agent_proxy`: the current policy served on a local base URL, every call's tokens recorded
+as the engine sampled them) instead of environments; everything else is the RL loop's (the algorithm, held-out
+evaluation, logging, checkpoints, resume). ``--agent-tasks module:function`` gives ``task(seed, split) -> dict`` (by
+default the function ``task`` of the agent's module): step s draws ``prompts_per_step`` task seeds as for a
+procedural environment, each run ``group_size`` times; held-out evaluation runs test-split tasks 0..N-1 once each,
+greedy. The runner sets the task's ``temperature`` key (the agent should sample at it; ``mismatch_max`` shows one
+that does not). An agent run that raises, passes ``--agent-timeout-s`` or returns a non-finite reward fails its
+episode, which is counted and left out of the loss (a step whose runs mostly fail stops the run in one line).
+
+One process, synchronous loop, the group-baseline algorithms (the agent's reward is one number per run): other
+layouts and algorithms are refused at start in one line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from spinwheel.rl.llm.rewards import RewardError
+
+AGENT_ALGOS = ("grpo", "rloo", "reinforce-pp")
+
+
+def check_agent_options(config: Any) -> None:
+    """One-line refusals of what ``--agent`` does not combine with (called by the run's config)."""
+    if config.agent is None:
+        if config.agent_tasks is not None:
+            raise ValueError("--agent-tasks gives the tasks of --agent: give --agent too")
+        return
+    if config.algo not in AGENT_ALGOS:
+        raise ValueError(f"--agent trains with {', '.join(AGENT_ALGOS)}, not {config.algo}")
+    if config.env is not None or config.data is not None or config.reward != "task" or config.reward_model:
+        raise ValueError(
+            "--agent takes its tasks and rewards from the agent: drop --env / --data / --reward / --reward-model"
+        )
+    if config.max_staleness is not None:
+        raise ValueError("--agent runs the synchronous loop: drop --max-staleness")
+    if not 0 < config.agent_timeout_s < float("inf"):
+        raise ValueError(f"--agent-timeout-s must be a number of seconds > 0, got {config.agent_timeout_s}")
+
+
+class AgentTasks:
+    """The run's environment factory under ``--agent``: ``make_env(split)`` gives this object (procedural tasks:
+    ``num_tasks`` None), and :func:`~spinwheel.rl.llm.run_envs.play_share` hands the step to :meth:`play`."""
+
+    plays_agents = True
+    num_tasks = None
+
+    def __init__(self, config: Any) -> None:
+        from spinwheel.rl.llm.agent_proxy import AgentConfig, load_agent
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("--agent runs in one process for now: run it without torchrun")
+        self.agent = load_agent(config.agent)
+        self.spec = config.agent_tasks or f"{config.agent.rpartition(':')[0]}:task"
+        try:
+            self.make_task = load_agent(self.spec)
+        except ValueError as e:
+            if config.agent_tasks is None:
+                raise ValueError(
+                    f"--agent {config.agent!r}: its module has no function task(seed, split); give --agent-tasks "
+                    "module:function"
+                ) from None
+            raise ValueError(str(e).replace("--agent", "--agent-tasks", 1)) from None
+        self.run_config = AgentConfig(timeout_s=config.agent_timeout_s)
+
+    def __call__(self, split: str) -> AgentTasks:
+        return self
+
+    def tasks(self, seeds: Sequence[int], split: str, temperature: float) -> list[dict]:
+        """The tasks of ``seeds`` with the temperature to sample at; a task function that fails stops the step."""
+        out = []
+        for seed in seeds:
+            try:
+                task = self.make_task(seed, split)
+            except Exception as e:  # noqa: BLE001 - the user's function: one line
+                what = f"raised {type(e).__name__}: {e}"
+                raise RewardError(f"--agent-tasks {self.spec}: task({seed}, {split!r}) {what}") from None
+            if not isinstance(task, dict):
+                raise RewardError(f"--agent-tasks {self.spec}: task({seed}, {split!r}) returned {type(task).__name__}, "
+                                  "not a dict")  # fmt: skip
+            out.append({**task, "temperature": temperature})
+        return out
+
+    def play(
+        self,
+        llm: Any,
+        seeds: Sequence[int],
+        step: int,
+        seed: int,
+        group_size: int,
+        temperature: float,
+        split: str,
+        should_stop: Callable[[], bool] | None,
+    ) -> list:
+        """``group_size`` agent runs on each seed's task (group-major), on ``llm``'s engine."""
+        from spinwheel.rl.llm.agent_proxy import play_agent_episodes
+
+        tasks = self.tasks(seeds, split, temperature)
+        return play_agent_episodes(llm, self.agent, tasks, group_size, seed, step, self.run_config, should_stop)
