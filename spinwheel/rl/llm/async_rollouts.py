@@ -299,7 +299,8 @@ def make_producer(config: Any, play: Play, model: torch.nn.Module, tokenizer: An
     if config.rollout_engine == "process":
         from spinwheel.rl.llm.rollout_engine import EngineProcess
 
-        engine: Any = EngineProcess(model, tokenizer, options, first, kv, producer_threads(k), timeout)
+        wrap = (VersionedEngine, WeightBox)
+        engine: Any = EngineProcess(model, tokenizer, options, first, kv, producer_threads(k), timeout, wrap)
     else:
         engine = LLM(copy.deepcopy(model).requires_grad_(False), tokenizer, **options).engine
     return _EngineRef(engine), RolloutProducer(play, engine, first, end, k, kv, timeout)

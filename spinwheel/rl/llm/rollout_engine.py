@@ -47,22 +47,23 @@ class _Spec:
     num_threads: int
     version: int
     kv: str
+    wrap: tuple[type, type]  # (VersionedEngine, WeightBox) of async_rollouts, which imports this module
 
 
 def _serve(conn: Connection, spec: _Spec) -> None:
     """The child: build the engine, then answer calls until told to close or the pipe closes."""
     from spinwheel.engine import LLM
     from spinwheel.models.transformer import Transformer
-    from spinwheel.rl.llm.async_rollouts import VersionedEngine, WeightBox
 
+    versioned_engine, weight_box = spec.wrap
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
     torch.set_num_threads(spec.num_threads)
     dtype = next(iter(spec.weights.values())).dtype
     model = Transformer(spec.config).to(dtype).requires_grad_(False)
     model.load_state_dict(spec.weights, strict=False)
-    box = WeightBox(spec.version)
+    box = weight_box(spec.version)
     box.state = spec.weights
-    engine = VersionedEngine(LLM(model, spec.tokenizer, **spec.options).engine, box, spec.version, spec.kv)
+    engine = versioned_engine(LLM(model, spec.tokenizer, **spec.options).engine, box, spec.version, spec.kv)
     conn.send(("ok", (set(engine.eos_ids), engine.max_model_len)))
     while True:
         try:
@@ -93,9 +94,9 @@ class EngineProcess:
 
     def __init__(
         self, model: torch.nn.Module, tokenizer: Tokenizer, options: dict[str, Any], version: int, kv: str,
-        num_threads: int, timeout_s: float,
+        num_threads: int, timeout_s: float, wrap: tuple[type, type],
     ) -> None:  # fmt: skip
-        self.model, self.tokenizer, self.options, self.kv = model, tokenizer, options, kv
+        self.model, self.tokenizer, self.options, self.kv, self.wrap = model, tokenizer, options, kv, wrap
         self.num_threads, self.timeout_s = num_threads, timeout_s
         with torch.no_grad():
             self.weights = {
@@ -107,7 +108,7 @@ class EngineProcess:
         self.version, self.box = version, None
         self.num_swaps = self.num_recomputed = self.num_prompt_tokens = self.restarts = 0
         self.block_manager = SimpleNamespace(num_prefix_hit_tokens=0)
-        self.publish_s, self.published_bytes, self._before = 0.0, 0, (0, 0)
+        self.publish_s, self.published_bytes, self.load_s, self._before = 0.0, 0, 0.0, (0, 0)
         self.proc, self.conn, self.dead = None, None, True
         self._start()
 
@@ -122,7 +123,14 @@ class EngineProcess:
         ctx = rank_context()
         parent, child = ctx.Pipe()
         spec = _Spec(
-            self.model.config, self.weights, self.tokenizer, self.options, self.num_threads, self.version, self.kv
+            self.model.config,
+            self.weights,
+            self.tokenizer,
+            self.options,
+            self.num_threads,
+            self.version,
+            self.kv,
+            self.wrap,
         )
         self.proc = ctx.Process(target=_serve, args=(child, spec), daemon=True, name="rollout-engine")
         self.proc.start()
@@ -196,7 +204,8 @@ class EngineProcess:
             with torch.no_grad():
                 for k, w in self.weights.items():
                     w.copy_(state[k])
-            self.publish_s += time.perf_counter() - start
+            self.load_s = time.perf_counter() - start  # the last copy's seconds (weight_sync.engine_sync_figures)
+            self.publish_s += self.load_s
             self.published_bytes += self.weight_bytes
             self.version = version
         outputs, (prompt_tokens, hits, swaps, recomputed) = self._call("step", self.version, stream)
