@@ -3,7 +3,7 @@
 1. **pipeline cut** — keep only this rank's stage (:class:`~spinwheel.parallel.pipeline.PipelineStage`); later steps
    see only the stage's layers;
 2. **tensor parallelism** — swap in column/row/vocab-parallel layers (they must exist before anything flattens or
-   wraps the parameters);
+   wraps the parameters; LoRA projections get :mod:`~spinwheel.parallel.tensor_lora`'s, factors split with W);
 3. **re-materialisation** — checkpoint each block, segments of k blocks or the whole stage (inside TP, so
    recomputation re-runs TP's collectives and may keep its checkpoints partitioned over the TP group, and inside the
    data-parallel wrapper, whose hooks sit around each block's call); optionally with every checkpoint in one
@@ -32,6 +32,7 @@ from spinwheel.parallel.remat import apply_remat
 from spinwheel.parallel.remat_buffer import CheckpointBuffer
 from spinwheel.parallel.remat_partition import PartitionedInput, WholeInput
 from spinwheel.parallel.tensor import apply_tensor_parallel
+from spinwheel.parallel.tensor_lora import lora_column_layer, lora_row_layer
 from spinwheel.parallel.zero import ZeroDataParallel
 
 
@@ -93,7 +94,7 @@ def parallelize(
                 "embeddings or choose --zero 0/1"
             )
         stage = PipelineStage(model, dims.pp_axis.rank, dims.pp)
-    shard_dims = apply_tensor_parallel(stage, dims.tp_axis, comm)
+    shard_dims = apply_tensor_parallel(stage, dims.tp_axis, comm, lora_column_layer, lora_row_layer)
     buffer = CheckpointBuffer() if remat_contiguous else None
     if remat != "none":
         offload = remat_partition == "tp-cpu"

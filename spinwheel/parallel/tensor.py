@@ -31,6 +31,8 @@ outside and keeps parameter names, so checkpoints map one to one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -255,24 +257,23 @@ _SUBLAYERS = {
 }
 
 
-def _column(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
-    if hasattr(linear, "lora_A"):  # LoRA: B split with W (spinwheel.parallel.tensor_lora)
-        from spinwheel.parallel.tensor_lora import ColumnParallelLoRA
+LayerSwap = Callable[[nn.Linear, Axis, Comm], nn.Module]  # a dense projection -> its tensor-parallel layer
 
-        return ColumnParallelLoRA(linear, axis, comm, copy_input=False)
+
+def column_layer(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
     return ColumnParallelLinear(linear, axis, comm, copy_input=False)
 
 
-def _row(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
-    if hasattr(linear, "lora_A"):  # LoRA: A split with W
-        from spinwheel.parallel.tensor_lora import RowParallelLoRA
-
-        return RowParallelLoRA(linear, axis, comm)
+def row_layer(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
     return RowParallelLinear(linear, axis, comm)
 
 
-def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str, int]:
-    """Swap a Transformer's (or pipeline stage's) layers for tensor-parallel ones, in place.
+def apply_tensor_parallel(
+    model: nn.Module, axis: Axis, comm: Comm, column: LayerSwap = column_layer, row: LayerSwap = row_layer
+) -> dict[str, int]:
+    """Swap a Transformer's (or pipeline stage's) layers for tensor-parallel ones, in place: ``column`` builds
+    q, k, v, gate and up (sharing their sub-layer's ``f``), ``row`` o and down (LoRA-aware ones:
+    :mod:`~spinwheel.parallel.tensor_lora`).
 
     Returns the sharded parameters' names with the dim they are split on (for checkpoint consolidation).
     Blocks are found under ``model.layers`` (a ModuleList, or a ModuleDict keyed by the original layer index).
@@ -283,10 +284,10 @@ def apply_tensor_parallel(model: nn.Module, axis: Axis, comm: Comm) -> dict[str,
     layers = model.layers
     items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
     for idx, block in items:
-        for sub_name, (columns, row) in _SUBLAYERS.items():
+        for sub_name, (columns, row_name) in _SUBLAYERS.items():
             sub = getattr(block, sub_name)
-            new: dict[str, nn.Module] = {name: _column(getattr(sub, name), axis, comm) for name in columns}
-            new[row] = _row(getattr(sub, row), axis, comm)
+            new: dict[str, nn.Module] = {name: column(getattr(sub, name), axis, comm) for name in columns}
+            new[row_name] = row(getattr(sub, row_name), axis, comm)
             for name, layer in new.items():
                 setattr(sub, name, layer)
                 params = dict(layer.named_parameters())

@@ -108,3 +108,17 @@ class RowParallelLoRA(_AdapterMixin, RowParallelLinear):
             z = z + self._delta(x, self.lora_A.weight, b, z.dtype)
         y = reduce_from_tp(z, self.axis, self.comm)
         return y + self.bias if self.bias is not None else y
+
+
+def lora_column_layer(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
+    """:func:`~spinwheel.parallel.tensor.apply_tensor_parallel`'s ``column``: LoRA-aware."""
+    if isinstance(linear, LoRALinear):
+        return ColumnParallelLoRA(linear, axis, comm, copy_input=False)
+    return ColumnParallelLinear(linear, axis, comm, copy_input=False)
+
+
+def lora_row_layer(linear: nn.Linear, axis: Axis, comm: Comm) -> nn.Module:
+    """:func:`~spinwheel.parallel.tensor.apply_tensor_parallel`'s ``row``: LoRA-aware."""
+    if isinstance(linear, LoRALinear):
+        return RowParallelLoRA(linear, axis, comm)
+    return RowParallelLinear(linear, axis, comm)
