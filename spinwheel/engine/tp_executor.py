@@ -59,7 +59,11 @@ class TensorParallelError(RuntimeError):
 
 def make_runner(model: Transformer, config: EngineConfig, max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
     """The engine's model runner: over the whole model on one device, or (``tensor_parallel_size`` > 1) rank 0's
-    shard, with the executor that started and drives the other ranks."""
+    shard, with the executor that started and drives the other ranks. A shard whose ranks its caller already runs
+    (the RL loop's ``--engine-tp`` under torchrun) names its host, which builds both."""
+    host = getattr(model, "tp_host", None)
+    if host is not None:
+        return host.make_runner(model, config, max_model_len)
     if config.tensor_parallel_size == 1:
         return ModelRunner(model, config, max_model_len), None
     executor = TPExecutor(model, config, max_model_len)

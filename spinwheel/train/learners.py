@@ -249,10 +249,11 @@ class ParallelLearner:
         """Write the checkpoint (collective): rank 0 the HF files and trainer_state.pt, every rank its shards."""
         full = self.trainer.full_state_dict()
         if self.is_main:
-            assert self.engine_model is not None, "rank 0 keeps a full model to write the HF files"
+            model = self.engine_model  # none kept (the RL loop's --engine-tp): one built for the HF files only
+            model = model if model is not None else Transformer(self.trainer.model_config)
             if not self.shares_weights:
-                self.engine_model.load_state_dict(full)
-            save_checkpoint(ckpt_dir, self.engine_model, tokenizer, state, extra=self._save_shards)
+                model.load_state_dict(full)
+            save_checkpoint(ckpt_dir, model, tokenizer, state, extra=self._save_shards)
         else:
             self._save_shards(None)
         dist.barrier()  # the rename is done before any rank reads or writes the directory again

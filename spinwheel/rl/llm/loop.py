@@ -36,6 +36,7 @@ from spinwheel.rl.llm.async_rollouts import (
     token_versions,
 )
 from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.engine_tp import EngineTP, check_engine_tp
 from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards, mean_info
 from spinwheel.rl.llm.episodes import EpisodesInterrupted
 from spinwheel.rl.llm.off_policy import off_policy_weights
@@ -103,6 +104,7 @@ class RLJob:
         self.pad_id = tokenizer.pad_id or 0
         load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
         check_one_process(config, dims is not None, config.algo)
+        self.engine_tp_size, self.engine_tp = check_engine_tp(config, dims), None  # --engine-tp N: engine_tp.py
         if config.max_staleness is not None and dims is not None:
             raise ValueError("--max-staleness runs its rollout producer in one process for now: drop it under torchrun")
         policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
@@ -127,7 +129,7 @@ class RLJob:
         self.engine_options = dataclasses.asdict(config.engine)
         self.engine_options.update(max_model_len=self._max_model_len(context), seed=config.seed)
         self.rollouts = self.make_rollouts()
-        engine = self.llm.engine.model
+        engine = self.engine_tp.shard if self.engine_tp is not None else self.llm.engine.model
         shared = config.max_staleness is None and getattr(self.learner, "shares_weights", True)
         self.engine_copy_mb = 0.0 if shared else sum(p.numel() * p.element_size() for p in engine.parameters()) / 2**20
         self.last_step_end: float | None = None
@@ -146,7 +148,7 @@ class RLJob:
         t = self.config.temperature  # the loss's log-probs are those of the policy that samples at T
         if self.dims is None:
             return LocalLearner(model, optim, temperature=t)
-        copy = "all" if optim is not None and model.config.num_labels is None else "none"
+        copy = "all" if optim is not None and model.config.num_labels is None and self.engine_tp_size == 1 else "none"
         return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy, temperature=t)
 
     def _max_model_len(self, context: int) -> int:
@@ -163,6 +165,10 @@ class RLJob:
         ``--max-staleness`` the producer's, on an engine with a copy of them (the trainer updates its own in place
         while the engine samples); evaluation then gets an engine of its own on the trainer's weights."""
         model, c = self.learner.engine_model, self.config
+        if self.engine_tp_size > 1:  # one tensor-parallel engine over every rank, resharded into after each update
+            self.engine_tp = EngineTP(self.learner, self.tokenizer, self.engine_options, c.parallel.timeout_s)
+            self.llm = self.eval_llm = self.engine_tp.llm  # type: ignore[assignment]
+            return SyncRollouts(self.play, self.engine_tp.sync)
         assert model is not None
         if self.placement is not None:  # the rollout ranks play; this rank's engine only evaluates
             return trainer_rollouts(self)  # type: ignore[return-value]
@@ -240,10 +246,11 @@ class RLJob:
         c, figures, error = self.config, {}, None
         seeds = step_seeds(c, self.num_train, step)  # the same on every rank (rollout ranks too)
         try:
-            stop = self.run.stop_requested
-            mine = play_share(
-                llm or self.llm, self.make_env, seeds, step, c, self.dims, stop, figures, token_versions=token_versions
+            stop, tp = self.run.stop_requested, self.engine_tp  # with --engine-tp rank 0 plays every group
+            share = lambda dims: play_share(  # noqa: E731
+                llm or self.llm, self.make_env, seeds, step, c, dims, stop, figures, token_versions=token_versions
             )
+            mine = tp.play(lambda: share(None)) if tp is not None else share(self.dims)
         except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
             error = e
         distributed = self.dims is not None
@@ -251,7 +258,8 @@ class RLJob:
             raise StepFailed(error if isinstance(error, KeyboardInterrupt) else EpisodesInterrupted("stopped"))
         if any_rank(error is not None, distributed):
             raise StepFailed(error or RewardError("the reward failed on another rank (that rank's log says why)"))
-        episodes = [e for part in gather_dp(mine, self.dims) for e in part]
+        parts = self.engine_tp.share(mine) if self.engine_tp is not None else gather_dp(mine, self.dims)
+        episodes = [e for part in parts for e in part]
         failed = [e for e in episodes if e.failed]
         if 2 * len(failed) > len(episodes):
             where = c.env or c.agent or "the run's prompts"
@@ -296,6 +304,7 @@ class RLJob:
         record.update({f"time/{phase}": seconds for phase, seconds in times.items()})
         record["tokens_per_s"] = float(mask.sum()) / max(sum(times.values()), 1e-9)
         record["engine_copy_mb"] = self.engine_copy_mb
+        record.update(self.engine_tp.figures if self.engine_tp is not None else {})  # sync time, peak bytes per rank
         return record
 
     def evaluate(self, step: int) -> float | None:
@@ -305,15 +314,18 @@ class RLJob:
         c = self.config
         num = min(c.eval_examples, self.num_eval) if self.num_eval is not None else c.eval_examples
         if not self.learner.is_main or num == 0:
+            if num and self.engine_tp is not None:
+                self.engine_tp.serve()  # rank 0 evaluates on the engine the ranks share
             return None
         seeds = list(range(num))
         if self.eval_llm is None:  # with the producer: an engine of its own, on the trainer's weights
             self.eval_llm = LLM(self.learner.engine_model, self.tokenizer, **self.engine_options)
         elif self.eval_llm is not self.llm:
             self.eval_llm.update_weights(self.learner.engine_model)  # updated since the last evaluation
-        episodes = play_share(
+        play = lambda: play_share(  # noqa: E731
             self.eval_llm, self.make_env, seeds, -1, c, None, split="test", group_size=1, temperature=0.0
         )
+        episodes = self.engine_tp.play(play) if self.engine_tp is not None else play()
         episodes = [e for e in episodes if not e.failed]
         value = sum(e.reward for e in episodes) / max(1, len(episodes))
         figures = {f"eval_{k}": v for k, v in mean_info(episodes).items() if f"eval_{k}" != self.eval_key}
