@@ -7,6 +7,7 @@ process (:meth:`~spinwheel.rl.llm.loop.RLJob.play` uses it too).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -15,8 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spinwheel.engine import LLM
+from spinwheel.models.hf import load_model
+from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.rl.llm.async_rollouts import Closed, VersionedEngine, WeightBox, _EngineRef
 from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.episodes import EpisodesInterrupted
+from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
 from spinwheel.rl.llm.rollout import sample_seed
 from spinwheel.rl.llm.rollout_ranks import STOP, Placement
 from spinwheel.rl.llm.rollout_wire import (
@@ -28,6 +34,7 @@ from spinwheel.rl.llm.rollout_wire import (
     send_message,
     wait,
 )
+from spinwheel.rl.llm.run_envs import play_share, run_environments
 from spinwheel.train.interrupt import Interrupted, StopOnSignal
 from spinwheel.train.sft_data import batch_indices
 
@@ -53,7 +60,7 @@ class WeightReceiver:
         self.thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)  # started later
 
     def header(self) -> list[int]:
-        h = torch.zeros(4, dtype=torch.long, device=self.place.device)
+        h = torch.zeros(5, dtype=torch.long, device=self.place.device)
         work = dist.broadcast(h, src=0, group=self.place.link, async_op=True)
         wait(work, self.place.timeout_s, "trainer rank 0 sent no weights")
         return h.tolist()
@@ -72,7 +79,7 @@ class WeightReceiver:
     def _run(self) -> None:
         try:
             while True:
-                kind, version, _, code = self.header()
+                kind, version, _, code, _ = self.header()
                 if kind == STOP:
                     self.code = code
                     return
@@ -95,11 +102,12 @@ class Received(WeightBox):
 def serve_rollouts(config: RLConfig, place: Placement) -> dict[str, Any]:
     """A rollout rank's run (module docstring): its engine takes the run's start from trainer rank 0, then plays
     its share of steps ``first .. end − 1``, each once version ``step − K`` arrived, and sends each batch."""
-    llm, make_env = _rollout_engine(config)
-    receiver = WeightReceiver(place, llm.engine.model.state_dict())
-    kind, first, end, _ = receiver.header()
+    model, tokenizer, make_env = _rollout_parts(config)
+    receiver = WeightReceiver(place, model.state_dict())
+    kind, first, end, _, context = receiver.header()
     if kind == STOP:  # the trainer failed before its first step
         return {"rollout_rank": place.rank, "steps": 0}
+    llm = _engine(config, model, tokenizer, context)
     llm.update_weights(dict(zip(receiver.names, receiver.receive(first))))
     receiver.box = box = Received(first)
     engine = VersionedEngine(llm.engine, box, first)
@@ -122,34 +130,24 @@ def serve_rollouts(config: RLConfig, place: Placement) -> dict[str, Any]:
     return {"rollout_rank": place.rank, "steps": played}
 
 
-def _rollout_engine(config: RLConfig):
-    """(the rollout rank's engine on a model of the run's shape, the environments' factory), as the trainer's."""
-    import dataclasses
-
-    from spinwheel.engine import LLM
-    from spinwheel.models.hf import load_model
-    from spinwheel.models.tokenizer import load_tokenizer
-    from spinwheel.rl.llm.loop import RLJob
-    from spinwheel.rl.llm.run_envs import run_environments
-
+def _rollout_parts(config: RLConfig):
+    """(a model of the run's shape, the tokenizer, the environments' factory), as the trainer's."""
     tokenizer = load_tokenizer(config.model)
     load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
     model = load_model(config.model, **load).requires_grad_(False)
-    context = model.config.max_position_embeddings
-    make_env, _ = run_environments(config, tokenizer, context, lambda line: None)
-    options = dataclasses.asdict(config.engine)
-    shape = SimpleNamespace(config=config, make_env=make_env)  # what RLJob's context rule reads
-    options.update(max_model_len=RLJob._max_model_len(shape, context), seed=config.seed)  # type: ignore[arg-type]
-    return LLM(model, tokenizer, **options), make_env
+    make_env, _ = run_environments(config, tokenizer, model.config.max_position_embeddings, lambda line: None)
+    return model, tokenizer, make_env
+
+
+def _engine(config: RLConfig, model, tokenizer, context: int):
+    """The rank's engine with the trainer's engine options (``context``: the trainer's ``max_model_len``)."""
+    options = {**dataclasses.asdict(config.engine), "max_model_len": context, "seed": config.seed}
+    return LLM(model, tokenizer, **options)
 
 
 def _play_steps(config: RLConfig, place: Placement, engine: VersionedEngine, make_env, first: int, end: int):
     """Play and send steps ``first .. end − 1``; returns (steps sent, the error that failed a step or None). At most
     K + 1 batches are in flight; the waits for them have the timeout."""
-    from spinwheel.rl.llm.episodes import EpisodesInterrupted
-    from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
-    from spinwheel.rl.llm.run_envs import play_share
-
     k, box = config.max_staleness or 0, engine.box
     share = SimpleNamespace(dp_axis=SimpleNamespace(size=place.rollout, rank=place.rollout_index))
     num_train = getattr(make_env("train"), "num_tasks", None)

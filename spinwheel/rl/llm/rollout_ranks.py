@@ -48,7 +48,7 @@ from spinwheel.rl.llm.rollout_wire import (
 from spinwheel.train.interrupt import Interrupted
 from spinwheel.train.run import StepFailed
 
-WEIGHTS, STOP = 1, 2  # kinds of a broadcast header: [kind, version, end step, exit code]
+WEIGHTS, STOP = 1, 2  # kinds of a broadcast header: [kind, version, end step, exit code, engine context]
 
 
 @dataclass
@@ -123,8 +123,8 @@ class RemoteRollouts:
     """The trainer's side (what :class:`~spinwheel.rl.llm.async_rollouts.SyncRollouts` is in one process): step
     batches received from the rollout ranks, new weights broadcast to them."""
 
-    def __init__(self, place: Placement, model: torch.nn.Module, first: int, end: int, sync_eval) -> None:
-        self.place, self.sync_eval = place, sync_eval
+    def __init__(self, place: Placement, model: torch.nn.Module, first: int, end: int, sync_eval, context: int) -> None:
+        self.place, self.sync_eval, self.context = place, sync_eval, context
         self.engine = SimpleNamespace(num_swaps=0)  # the rollout ranks' swaps (staleness figures)
         self.broadcast: dict[str, float] = {}  # the last weight broadcast's seconds and MiB
         self.closed = False
@@ -132,7 +132,7 @@ class RemoteRollouts:
 
     def _broadcast(self, kind: int, version: int, end: int, model: torch.nn.Module | None, code: int = 0) -> None:
         place = self.place
-        header = torch.tensor([kind, version, end, code], dtype=torch.long, device=place.device)
+        header = torch.tensor([kind, version, end, code, self.context], dtype=torch.long, device=place.device)
         self._send(header, "the broadcast's header")
         if model is None:
             return
@@ -195,10 +195,9 @@ def trainer_rollouts(job) -> RemoteRollouts:
     evaluates)."""
     from spinwheel.engine import LLM
 
-    job.llm = job.eval_llm = LLM(job.learner.engine_model, job.tokenizer, **job.engine_options)
-    return RemoteRollouts(
-        job.placement, job.learner.engine_model, job.run.start_step, job.run.end_step, job.sync_engine
-    )
+    model, run, options = job.learner.engine_model, job.run, job.engine_options
+    job.llm = job.eval_llm = LLM(model, job.tokenizer, **options)
+    return RemoteRollouts(job.placement, model, run.start_step, run.end_step, job.sync_engine, options["max_model_len"])
 
 
 def rollout_figures(rollouts) -> dict[str, float]:

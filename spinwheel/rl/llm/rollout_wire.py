@@ -118,8 +118,11 @@ def send_message(kind: int, step: int, parts: list[torch.Tensor], dst: int, grou
     tensors stay referenced by the caller until then)."""
     parts = [p.to(device) for p in parts]
     header = torch.tensor([kind, step, *(p.numel() for p in parts)], dtype=torch.long, device=device)
-    works = [dist.isend(header, dst=dst, group=group)]
-    works += [dist.isend(p, dst=dst, group=group) for p in parts if p.numel()]
+    try:
+        works = [dist.isend(header, dst=dst, group=group)]
+        works += [dist.isend(p, dst=dst, group=group) for p in parts if p.numel()]
+    except RuntimeError as e:  # gloo: the peer closed its connection
+        raise LinkError(f"rank {dst} is gone ({str(e).splitlines()[0][:160]})") from None
     return [works, header, parts]
 
 
