@@ -55,9 +55,10 @@ def _value(node: ast.AST) -> int | None:
 
 
 def reward(answer: str, product: int) -> float:
-    """1.0 when the answer's last integer is the product."""
+    """1.0 when the answer's last integer is the product written canonically (``3874``, not ``03874``), as the
+    ``calculator`` environment scores it."""
     numbers = re.findall(r"-?\d+", answer)
-    return float(bool(numbers) and int(numbers[-1]) == product)
+    return float(bool(numbers) and numbers[-1] == str(product))
 
 
 def agent(client, task: dict) -> float:

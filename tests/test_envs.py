@@ -63,6 +63,10 @@ def test_calculator_episode_with_a_tool_call():
     assert (last.reward, last.done, last.info["tool_calls"], last.info["correct"]) == (0.0, True, 3.0, 0.0)
     env.reset(1)
     assert env.step(act("12")).info == {"tool_calls": 0.0, "correct": 0.0, "turns": 1.0}
+    product = env.answer
+    for answer, reward in [(f"{product}", 1.0), (f"=> {product}", 1.0), (f"0{product}", 0.0), (f"{product}0", 0.0)]:
+        env.reset(1)
+        assert env.step(act(answer)).reward == reward, answer  # the canonical form only: no leading zero
 
 
 def test_calculator_expert_is_right_and_splits_are_disjoint():

@@ -7,8 +7,10 @@ An episode (the built-in char model's whole context is 256 tokens, so every form
     =14582\\n                the environment's answer (``=error\\n`` for a call it cannot evaluate)
     14582                   the model's final answer, ending at EOS
 
-A turn without a complete ``<calc>…</calc>`` is the final answer: reward 1.0 when its last integer equals the
-product (the arithmetic task's rule), else 0.0; a model still calling the tool at its ``max_turns``-th turn gets 0.
+A turn without a complete ``<calc>…</calc>`` is the final answer: reward 1.0 when its last integer is the product
+written canonically (``str(product)``: ``3874``, not ``03874`` or ``+3874``; stricter than the arithmetic task's
+integer-valued rule, which a policy exploited by padding 4-digit products to 5 digits), else 0.0; a model still
+calling the tool at its ``max_turns``-th turn gets 0.
 The tool evaluates integer expressions with ``+ - *`` and parentheses by walking their syntax tree (never
 ``eval``): at most :data:`MAX_EXPRESSION_CHARS` characters, every intermediate result within ±:data:`MAX_RESULT`;
 anything else is an error observation. ``info``: ``tool_calls``, ``correct``, ``turns``.
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from spinwheel.envs.base import Action, Env, Segment, Step
-from spinwheel.tasks.arithmetic import reward as answer_reward
+from spinwheel.tasks.arithmetic import extract_answer
 
 MAX_EXPRESSION_CHARS = 40
 MAX_RESULT = 10**15
@@ -60,6 +62,11 @@ def _value(node: ast.AST) -> int | None:
     else:
         return None
     return value if value is not None and abs(value) <= MAX_RESULT else None
+
+
+def answer_reward(text: str, product: int) -> float:
+    """1.0 when the text's last integer is ``product`` written canonically (``str(product)``), else 0.0."""
+    return float(extract_answer(text) == str(product))
 
 
 def _operand_range(num_digits: int) -> tuple[int, int]:
@@ -107,7 +114,7 @@ class CalculatorEnv(Env):
         self.turns += 1
         calls = _CALL.findall(action.text)
         if not calls:  # the final answer
-            correct = answer_reward(action.text, str(self.answer))
+            correct = answer_reward(action.text, self.answer)
             return Step(None, correct, True, self._info(correct))
         self.tool_calls += 1
         if self.turns >= self.max_turns:  # out of turns while still calling the tool
