@@ -47,6 +47,7 @@ from spinwheel.rl.llm.rollout_ranks import Placement, rollout_figures, trainer_r
 from spinwheel.rl.llm.run_envs import PromptsEnv, play_share, run_environments
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights
+from spinwheel.rl.llm.weight_sync import engine_sync_figures
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, sync_figures
@@ -216,6 +217,7 @@ class RLJob:
         record = self.record(rewards, mask, keep, old, ref, batch["engine_logprobs"], stats, times)
         record.update(**figures, **episode_metrics(episodes), **self.overlap(start, times))
         record.update(rollout_figures(self.rollouts))  # --rollout-ranks: the weight broadcast's seconds and MiB
+        record.update(engine_sync_figures(self.rollouts))  # sync to the producer's engine copy
         return {**record, **metrics_since(learner.comm_metrics(), comm_before)}  # log-probs, updates, weight sync
 
     def staleness(self, episodes, mask, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:

@@ -1,0 +1,48 @@
+"""What one update sends to an engine that holds its own copy of the policy (the ``--max-staleness`` producer's).
+
+Without LoRA every weight changes at every update, so the trainer publishes the whole state dict. With LoRA
+(``--lora-rank``) the base is frozen and the engine copy already holds it (a copy taken at the start, adapters
+included, unmerged): after each update only the adapters' factors (``lora_A`` / ``lora_B``) and any other
+parameter that trains are sent, and the engine loads them into its own LoRA layers in place
+(:meth:`~spinwheel.engine.llm_engine.LLMEngine.update_weights` takes a partial state dict), so it serves base +
+adapter without ever merging them — the adapter-only sync of verl / prime-rl, here in one process.
+
+The figures of each update go to ``metrics.jsonl``: ``sync_bytes`` (what the update sent: the adapters' bytes under
+LoRA, every weight's otherwise), ``sync_load_s`` (the producer's seconds to load the newest version into its
+engine, prefix-cache drop included) beside the trainer's own copy time ``time/sync``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from spinwheel.models.lora import lora_layers
+
+
+def sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of what an engine copy of ``model`` needs after an update (the trainer goes on updating its
+    own tensors in place): with LoRA layers the tensors that train (the adapters; the frozen base never changes),
+    else every tensor of the state dict but the rotary tables (derived, not loaded)."""
+    if lora_layers(model):
+        return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """The bytes of a state dict's tensors: what one sync moves."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def engine_sync_figures(rollouts: Any) -> dict[str, float]:
+    """The last update's sync figures of a rollout source with an engine copy (the producer: its weight box and
+    versioned engine); empty for the synchronous loop, whose engine serves the trainer's own model."""
+    box, engine = getattr(rollouts, "box", None), getattr(rollouts, "engine", None)
+    if box is None or engine is None:
+        return {}
+    figures = {"sync_bytes": float(box.sent_bytes)}
+    if hasattr(engine, "load_s"):  # an engine in this process (one in a child reports its own publish figures)
+        figures["sync_load_s"] = float(engine.load_s)
+    return figures
