@@ -29,7 +29,35 @@ def _engine_tp_worker(rank: int, world_size: int, root: str) -> dict:
         config.engine = EngineConfig(cpu_packed_weights=False, tensor_parallel_size=2)
         train_rl(config)
     full = load_model("test", vocab_size=Tokenizer.char_level().vocab_size)
-    return {"full_mb": sum(p.numel() * p.element_size() for p in full.parameters()) / 2**20}
+    return {"full_mb": sum(p.numel() * p.element_size() for p in full.parameters()) / 2**20, **_bucketed(rank)}
+
+
+def _bucketed(rank: int) -> dict:
+    """FSDP dp 2 → engine TP 2 in 4 KiB buckets (smaller than any unit): every engine tensor equals this rank's
+    Megatron slice of the full weights, and no gather held more than one bucket."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from spinwheel.engine.tp_reshard import Resharder, empty_shard
+    from spinwheel.models.presets import preset_config
+    from spinwheel.models.transformer import Transformer
+    from spinwheel.parallel import ParallelTrainer
+    from spinwheel.parallel.comm import Comm
+    from spinwheel.parallel.mesh import Axis
+    from spinwheel.parallel.tensor import apply_tensor_parallel
+
+    config = preset_config("test", 100, tie_word_embeddings=True)  # tied: two names, one tensor
+    model = Transformer(config).init_weights(seed=3)
+    axis = Axis("engine_tp", (0, 1), rank, dist.group.WORLD)
+    expected = copy.deepcopy(model)
+    apply_tensor_parallel(expected, axis, Comm())  # the reference slices, cut from the full weights
+    trainer = ParallelTrainer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), ParallelConfig(fsdp=True))
+    shard, dims = empty_shard(config, axis, Comm(), torch.device("cpu"), torch.float32)
+    peak = Resharder(trainer.pm, shard, dims, axis, bucket_mb=4 / 1024).sync()
+    want = dict(expected.named_parameters())
+    return {"bucket_peak": peak, "bucket_equal": all(torch.equal(p, want[k]) for k, p in shard.named_parameters())}
 
 
 def _records(path) -> list[dict]:
@@ -45,8 +73,9 @@ def test_engine_tp_equals_one_process_without_the_full_model(tmp_path):
     train_rl(small_config(tmp_path / "one"))
     ref = _records(tmp_path / "one" / "metrics.jsonl")
     assert len(ref) == 5 and len({r["reward_mean"] for r in ref}) > 1
-    (result, _) = spawn(_engine_tp_worker, 2, args=(str(tmp_path),), timeout_s=300)
-    full_mb = result["full_mb"]
+    results = spawn(_engine_tp_worker, 2, args=(str(tmp_path),), timeout_s=300)
+    assert all(r["bucket_equal"] and 0 < r["bucket_peak"] <= 4096 for r in results), results
+    full_mb = results[0]["full_mb"]
     for name, _ in LAYOUTS:
         recs = _records(tmp_path / name / "metrics.jsonl")
         assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in ref], name  # identical rollouts
