@@ -207,6 +207,8 @@ def test_layouts_match_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_then_rerun_resumes_exactly(tmp_path):
+    """Also with the asynchronous machinery at K = 0, its engine in a child process (which the kill orphans: it
+    exits when its pipe closes)."""
     args = [
         "--model",
         "test",
@@ -241,27 +243,30 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path):
         "8",
     ]
 
-    def command(out):
-        return [sys.executable, "-m", "spinwheel.cli", "grpo", *args, "--out-dir", str(out)]
+    def command(out, *extra):
+        return [sys.executable, "-m", "spinwheel.cli", "grpo", *args, *extra, "--out-dir", str(out)]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command(tmp_path / "full"), check=True, capture_output=True, env=env, timeout=300)
-    proc = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:  # kill once step 5 is logged: the last checkpoint is step 4
-        if metrics.exists() and any(
-            json.loads(x).get("step", 0) >= 5 and "loss" in x for x in metrics.read_text().splitlines() if x.strip()
-        ):
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    subprocess.run(command(tmp_path / "killed"), check=True, capture_output=True, env=env, timeout=300)
-    full, killed = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "killed" / "metrics.jsonl")
-    assert len(killed[0]) == 8
-    assert killed == full
+    for name, extra in (("killed", ()), ("async", ("--max-staleness", "0", "--rollout-engine", "process"))):
+        proc = subprocess.Popen(
+            command(tmp_path / name, *extra), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        metrics = tmp_path / name / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # kill once step 5 is logged: the last checkpoint is step 4
+            if metrics.exists() and any(
+                json.loads(x).get("step", 0) >= 5 and "loss" in x for x in metrics.read_text().splitlines() if x.strip()
+            ):
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+        subprocess.run(command(tmp_path / name, *extra), check=True, capture_output=True, env=env, timeout=300)
+        full, killed = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / name / "metrics.jsonl")
+        assert len(killed[0]) == 8
+        assert killed == full, name
 
 
 def test_reward_model_as_the_reward(tmp_path):
