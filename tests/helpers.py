@@ -7,7 +7,10 @@ Fixtures live in ``conftest.py``; this module holds plain functions and constant
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import pytest
@@ -51,6 +54,39 @@ def tiny_engine_model(max_position_embeddings: int) -> Transformer:
 def long_context_model(max_len: int = 2048) -> Transformer:
     """The test preset with a long context, so that a request can run for thousands of steps."""
     return Transformer(preset_config("test", 100, max_position_embeddings=max_len)).init_weights(5)
+
+
+# ---- commands in this process ------------------------------------------------------------------------------------
+
+
+def run_cli(argv: list[str], capfd, umask: int | None = None) -> subprocess.CompletedProcess:
+    """``spinwheel ARGV`` in this process: ``spinwheel.cli.main`` is what ``python -m spinwheel`` runs, without the
+    fresh interpreter (importing torch and spinwheel again costs ~2-3 s of CPU per command). Returns what a
+    subprocess would: the exit status (``main``'s, or argparse's ``SystemExit``), stdout and stderr (``capfd``: what
+    C++ writes to the file descriptors too), with the warnings the command raised on stderr as the interpreter's
+    default filters show them. ``umask`` is set for the command; the thread count it may change is put back."""
+    from spinwheel.cli import main
+
+    capfd.readouterr()
+    threads, mask = torch.get_num_threads(), None if umask is None else os.umask(umask)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()  # a fresh interpreter's filters, not pytest's
+            warnings.simplefilter("default")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            try:
+                code, message = main(list(argv)), ""
+            except SystemExit as e:  # argparse's exits; sys.exit("text") prints the text and exits 1
+                code, message = (e.code or 0, "") if isinstance(e.code, int | None) else (1, f"{e.code}\n")
+    finally:
+        torch.set_num_threads(threads)
+        if mask is not None:
+            os.umask(mask)
+    out, err = capfd.readouterr()
+    err += message
+    err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in caught)
+    return subprocess.CompletedProcess(["spinwheel", *argv], code, out, err)
 
 
 # ---- the server tests ---------------------------------------------------------------------------------------------

@@ -6,13 +6,12 @@ as the umask says."""
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from spinwheel.cli import main
 from spinwheel.train.metrics import read_metrics
@@ -42,18 +41,11 @@ ARGS = [
     "--num-threads",
     "1",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def sft(out: Path, *extra: str, umask: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "spinwheel", "sft", *ARGS, "--out-dir", str(out), *extra],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
-    )
+def sft(capfd, out: Path, *extra: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    """``spinwheel sft`` in this process (exit status, stdout, stderr as a subprocess's)."""
+    return run_cli(["sft", *ARGS, "--out-dir", str(out), *extra], capfd, umask=umask)
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -67,28 +59,28 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_finished_run_says_so_and_appends_nothing(tmp_path):
-    first = sft(tmp_path)
+def test_finished_run_says_so_and_appends_nothing(tmp_path, capfd):
+    first = sft(capfd, tmp_path)
     assert first.returncode == 0, first.stderr
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    again = sft(tmp_path)
+    again = sft(capfd, tmp_path)
     assert again.returncode == 0, again.stderr
     assert "is at step 6 of 6: the run is finished" in again.stdout
     assert (tmp_path / "metrics.jsonl").read_bytes() == before  # no duplicate evaluation lines
 
 
 @pytest.mark.slow
-def test_resume_prints_what_changed_and_refuses_what_breaks_it(tmp_path, capsys):
+def test_resume_prints_what_changed_and_refuses_what_breaks_it(tmp_path, capfd):
     assert main(["sft", *ARGS, "--out-dir", str(tmp_path), "--stop-after", "2"]) == 0
     kept = (tmp_path / "metrics.jsonl").read_bytes()
-    err = one_line_error(sft(tmp_path, "--lr", "1e-3", "--steps", "8"))
+    err = one_line_error(sft(capfd, tmp_path, "--lr", "1e-3", "--steps", "8"))
     assert "--steps 6 -> 8" in err and "--lr 0.003 -> 0.001" in err and "--force" in err
-    assert "past --steps 1" in one_line_error(sft(tmp_path, "--steps", "1"))
+    assert "past --steps 1" in one_line_error(sft(capfd, tmp_path, "--steps", "1"))
     assert (tmp_path / "metrics.jsonl").read_bytes() == kept  # refused runs touch nothing
-    capsys.readouterr()
+    capfd.readouterr()
     # Evaluation cadence changes nothing the run computes: taken, and said.
     assert main(["sft", *ARGS, "--out-dir", str(tmp_path), "--eval-every", "3"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "resuming from step 2 of 6 " in out and "changed: --eval-every 500 -> 3" in out
     assert main(["sft", *ARGS, "--out-dir", str(tmp_path / "full")]) == 0
     assert losses(tmp_path) == losses(tmp_path / "full")  # the resumed run is the uninterrupted one
@@ -96,17 +88,17 @@ def test_resume_prints_what_changed_and_refuses_what_breaks_it(tmp_path, capsys)
     from spinwheel.train.optim import lr_at
 
     assert main(["sft", *ARGS, "--out-dir", str(tmp_path), "--steps", "8", "--force"]) == 0
-    assert "--steps 6 -> 8" in capsys.readouterr().out
+    assert "--steps 6 -> 8" in capfd.readouterr().out
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if "lr" in r}
     assert lrs[7] == lr_at(6, 3e-3, 1, 8, 0.1) and lrs[6] == lr_at(5, 3e-3, 1, 6, 0.1)
 
 
 @pytest.mark.slow
-def test_one_line_data_trains_to_the_end_with_header_and_umask(tmp_path):
+def test_one_line_data_trains_to_the_end_with_header_and_umask(tmp_path, capfd):
     data = tmp_path / "one.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
     out = tmp_path / "run"
-    proc = sft(out, "--data", str(data), umask=0o027)
+    proc = sft(capfd, out, "--data", str(data), umask=0o027)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("spinwheel sft: test (") and "1 train / 0 held-out examples" in lines[0]
