@@ -9,15 +9,21 @@ K + 1. After each update the trainer publishes version v + 1 (a detached copy); 
 engine steps without stopping (:class:`VersionedEngine`: PipelineRL's in-flight update — running sequences go on
 under the new weights with the KV their prefix computed under the old ones, "stale KV"; a prefix block registered in
 the prefix cache before the swap may serve a later request too) and records for every sampled token the version
-that sampled it. At training step s a token of version v is ``s − v`` versions stale; an episode whose oldest token
-is more than K stale is dropped and counted (:func:`staleness_figures`). With K = 0 the producer waits for version s
-before it samples step s: the synchronous run, bit for bit.
+that sampled it. With ``--kv-on-update recompute`` the swap instead preempts every running sequence by recompute
+(:meth:`~spinwheel.engine.scheduler.Scheduler.recompute_all`): each is prefilled again, prompt and sampled tokens,
+under the new weights, so a token's log-prob is its version's given the whole prefix under that version. Either
+way a request added after a swap is never served old K/V by the prefix cache. At training step s a token of
+version v is ``s − v`` versions stale; an episode whose oldest token is more than K stale is dropped and counted
+(:func:`staleness_figures`). With K = 0 the producer waits for version s before it samples step s: the synchronous
+run, bit for bit. With ``--rollout-engine process`` the engine steps in a child process
+(:mod:`~spinwheel.rl.llm.rollout_engine`); the trainer waits at most ``--timeout-s`` for a batch.
 
 With K >= 1 the producer and the trainer each take half the torch threads (they compute at once; on a shared CPU
 more threads than cores only spin at OpenMP barriers).
 
 On resume the producer starts again at the checkpoint's step from the checkpoint's weights: what it had played
-ahead is played again (for K = 0, exactly as the uninterrupted run did).
+ahead (at most K + 1 steps, none of them trained) is played again — for K = 0 exactly as the uninterrupted run did,
+for K > 0 on weights as new as the checkpoint's, which may be newer than those the first attempt used.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import torch
 
 from spinwheel.engine import LLM
 from spinwheel.rl.llm.episode_tokens import Episode
-from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
 
 KV_ON_UPDATE = ("keep", "recompute")  # what a weight swap does to the K/V of the sequences it finds running
 POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
@@ -84,12 +89,10 @@ class WeightBox:
     def __init__(self, version: int) -> None:
         self._cond = threading.Condition()
         self.version, self.state, self.closed = version, None, False
-        self.sent_bytes = 0  # what the last publish sent (weight_sync.engine_sync_figures)
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         """Copy ``model``'s weights (the trainer goes on updating its own in place) as ``version``."""
-        state = sync_state(model)  # with LoRA the adapters alone: the engine copy holds the frozen base
-        self.sent_bytes = state_bytes(state)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
         with self._cond:
             self.version, self.state = version, state
             self._cond.notify_all()
@@ -122,7 +125,6 @@ class VersionedEngine:
         self.num_swaps = self.num_recomputed = 0  # weight swaps; groups whose K/V a swap made recompute
         self._start: dict[str, int] = {}  # request id -> the version current when it was added
         self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (id, sample) -> [(tokens before, version)]
-        self.load_s = 0.0  # the last swap's seconds (weight_sync.engine_sync_figures)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -135,9 +137,7 @@ class VersionedEngine:
         version, state = self.box.latest()
         if version > self.version and state is not None:
             self._mark(version)
-            start = time.perf_counter()
             self.inner.update_weights(state)  # copies into the engine's weights; drops the prefix cache
-            self.load_s = time.perf_counter() - start
             if self.kv == "recompute":  # every running sequence is prefilled again under the new weights
                 self.num_recomputed += self.inner.scheduler.recompute_all()
             self.version, self.num_swaps = version, self.num_swaps + 1
