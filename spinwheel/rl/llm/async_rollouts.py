@@ -40,6 +40,7 @@ import torch
 
 from spinwheel.engine import LLM
 from spinwheel.rl.llm.episode_tokens import Episode
+from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
 
 KV_ON_UPDATE = ("keep", "recompute")  # what a weight swap does to the K/V of the sequences it finds running
 POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
@@ -89,10 +90,12 @@ class WeightBox:
     def __init__(self, version: int) -> None:
         self._cond = threading.Condition()
         self.version, self.state, self.closed = version, None, False
+        self.sent_bytes = 0  # what the last publish sent (weight_sync.engine_sync_figures)
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         """Copy ``model``'s weights (the trainer goes on updating its own in place) as ``version``."""
-        state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+        state = sync_state(model)  # with LoRA the adapters alone: the engine copy holds the frozen base
+        self.sent_bytes = state_bytes(state)
         with self._cond:
             self.version, self.state = version, state
             self._cond.notify_all()
@@ -125,6 +128,7 @@ class VersionedEngine:
         self.num_swaps = self.num_recomputed = 0  # weight swaps; groups whose K/V a swap made recompute
         self._start: dict[str, int] = {}  # request id -> the version current when it was added
         self._marks: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (id, sample) -> [(tokens before, version)]
+        self.load_s = 0.0  # the last swap's seconds (weight_sync.engine_sync_figures)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -137,7 +141,9 @@ class VersionedEngine:
         version, state = self.box.latest()
         if version > self.version and state is not None:
             self._mark(version)
+            start = time.perf_counter()
             self.inner.update_weights(state)  # copies into the engine's weights; drops the prefix cache
+            self.load_s = time.perf_counter() - start
             if self.kv == "recompute":  # every running sequence is prefilled again under the new weights
                 self.num_recomputed += self.inner.scheduler.recompute_all()
             self.version, self.num_swaps = version, self.num_swaps + 1
