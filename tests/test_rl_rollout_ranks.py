@@ -72,6 +72,26 @@ def test_rollout_rank_run_equals_one_process(tmp_path):
     assert results[1]["hang"][0].startswith("LinkError: ")  # the rollout rank ends too, in one line
 
 
+def _three_ranks_worker(rank: int, world: int, root: str) -> None:
+    train_rl(small_config(f"{root}/dp2", steps=3, rollout_ranks=1))  # 2 data-parallel trainer ranks
+    train_rl(small_config(f"{root}/r2", steps=3, rollout_ranks=2))  # 2 rollout ranks, a share of the groups each
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_three_ranks_two_trainers_or_two_rollout_ranks(tmp_path):
+    """In 3 processes: 2 data-parallel trainer ranks (their own group) take the same steps as one process (to
+    rounding: the update is a data-parallel one); 2 rollout ranks with one trainer equal it bit for bit."""
+    train_rl(small_config(tmp_path / "one", steps=3))
+    spawn(_three_ranks_worker, 3, args=(str(tmp_path),), timeout_s=300)
+    one, dp2, r2 = (_steps(tmp_path / name) for name in ("one", "dp2", "r2"))
+    for key in ("reward_mean", "loss", "kl_ref", "grad_norm"):
+        assert [r[key] for r in r2] == [r[key] for r in one], key
+    assert [r["reward_mean"] for r in dp2] == [r["reward_mean"] for r in one]
+    assert [r["loss"] for r in dp2] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-6)
+    assert all("comm/dp/all_reduce/bytes" in r for r in dp2)  # the trainers' update ran over their own group
+
+
 def test_bad_input_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="spinwheel launch --nproc-per-node N grpo"):
         train_rl(small_config(tmp_path, rollout_ranks=1))

@@ -19,6 +19,7 @@ import torch
 
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
 from spinwheel.parallel.parallelize import ParallelModel
+from spinwheel.parallel.run_group import run_group
 from spinwheel.parallel.zero import ZeroDataParallel
 
 
@@ -38,7 +39,7 @@ def _barrier(pm: ParallelModel) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=run_group())
 
 
 def _frozen_names(module: torch.nn.Module) -> set[str]:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spinwheel.parallel.run_group import run_group
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -76,7 +78,7 @@ class StopOnSignal:
         if not self.distributed:
             return self.signum, failed
         flags = torch.tensor([self.signum or 0, int(failed)], dtype=torch.int64, device=_flag_device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=run_group())
         return int(flags[0].item()) or None, bool(flags[1].item())
 
     @staticmethod
@@ -97,5 +99,5 @@ def any_rank(flag: bool, distributed: bool) -> bool:
     if not distributed:
         return flag
     t = torch.tensor([int(flag)], dtype=torch.int64, device=_flag_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=run_group())
     return bool(t.item())

@@ -34,6 +34,7 @@ from spinwheel.models.transformer import Transformer, token_logprobs
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
 from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.parallel.run_group import run_group
 from spinwheel.parallel.token_outputs import TokenOutputs, is_scalar_head
 from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResult
 from spinwheel.train.checkpoint import rng_state, save_checkpoint, set_rng_state
@@ -256,11 +257,11 @@ class ParallelLearner:
             save_checkpoint(ckpt_dir, model, tokenizer, state, extra=self._save_shards)
         else:
             self._save_shards(None)
-        dist.barrier()  # the rename is done before any rank reads or writes the directory again
+        dist.barrier(group=run_group())  # the rename is done before any rank reads or writes the directory again
 
     def _save_shards(self, tmp: Path | None) -> None:
         where = [str(tmp) if tmp is not None else None]
-        dist.broadcast_object_list(where, src=0)  # rank 0's temporary checkpoint directory
+        dist.broadcast_object_list(where, src=0, group=run_group())  # rank 0's temporary checkpoint directory
         shards = Path(where[0]) / SHARDED_DIR
         shards.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), shards / f"rng{self.rank:05d}.pt")

@@ -43,7 +43,7 @@ from spinwheel.rl.llm.off_policy import off_policy_weights
 from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
 from spinwheel.rl.llm.rollout import gather_dp
 from spinwheel.rl.llm.rollout_play import serve_rollouts, step_seeds
-from spinwheel.rl.llm.rollout_ranks import Placement, rollout_figures, trainer_rollouts
+from spinwheel.rl.llm.rollout_ranks import Placement, placed, rollout_figures, trainer_rollouts
 from spinwheel.rl.llm.run_envs import PromptsEnv, play_share, run_environments
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights
@@ -69,11 +69,10 @@ def train_rl(config: RLConfig) -> dict[str, Any]:
     """Run the configured algorithm; returns the final figures (``eval_before``, ``eval_after``, ``history``)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    with distributed_world(config.device, config.parallel) as distributed:
-        place = Placement.create(config, distributed) if config.rollout_ranks else None  # --rollout-ranks
-        if place is not None and place.is_rollout:
+    with distributed_world(config.device, config.parallel) as distributed, placed(config, distributed) as place:
+        if place is not None and place.is_rollout:  # --rollout-ranks
             return serve_rollouts(config, place)  # this rank only generates (rollout_play.py)
-        distributed = distributed and place is None
+        distributed = distributed and (place is None or place.trainers_distributed)
         dims = config.parallel.make_dims() if place is None else place.trainer_dims()
         config.parallel.check_batch(config.rollout_batch // config.minibatches, dims.dp, what="the minibatch of")
         with Run(config, distributed, config.algo) as run:
@@ -106,7 +105,7 @@ class RLJob:
         load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
         check_one_process(config, dims is not None, config.algo)
         self.engine_tp_size, self.engine_tp = check_engine_tp(config, dims), None  # --engine-tp N: engine_tp.py
-        if config.max_staleness is not None and dims is not None:
+        if config.max_staleness is not None and dims is not None and placement is None:
             raise ValueError("--max-staleness runs its rollout producer in one process for now: drop it under torchrun")
         policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip, fused=True)

@@ -1,8 +1,10 @@
 """Disaggregated placement under ``torchrun`` (``--rollout-ranks R``): R ranks only generate, the other N − R train.
 
-Ranks ``0 .. N−R−1`` train (rank 0 logs, evaluates and checkpoints, as always), ranks ``N−R .. N−1`` each play their
-share of every step's groups (:func:`~spinwheel.rl.llm.rollout.dp_share` over the R rollout ranks) with an engine,
-the environments and the reward of their own. Two process groups join trainer rank 0 with the rollout ranks
+Ranks ``0 .. N−R−1`` train (rank 0 logs, evaluates and checkpoints, as always; with more than one, a data-parallel
+group of their own — ``dist.new_group`` — that also carries the run's agreement and checkpoint barriers,
+:mod:`spinwheel.parallel.run_group`). Ranks ``N−R .. N−1`` each play their share of every step's groups
+(:func:`~spinwheel.rl.llm.rollout.dp_share` over the R rollout ranks) with an engine, the environments and the reward
+of their own. Two process groups join trainer rank 0 with the rollout ranks
 (``dist.new_group``; :class:`Placement`): on one the rollout ranks send each finished step batch to trainer rank 0
 (:mod:`~spinwheel.rl.llm.rollout_wire`); on the other trainer rank 0 broadcasts the weights after each update, in
 fixed-size buckets, and a receiver thread on every rollout rank publishes them to a
@@ -22,8 +24,10 @@ stops the run after its step, saves, and tells them.
 
 from __future__ import annotations
 
-import sys
+import datetime
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -31,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.parallel.run_group import set_run_group
 from spinwheel.rl.llm.async_rollouts import Rollout
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.rollout_wire import (
@@ -54,7 +60,9 @@ WEIGHTS, STOP = 1, 2  # kinds of a broadcast header: [kind, version, end step, e
 @dataclass
 class Placement:
     """Who does what: ``rank`` of ``world`` processes, the last ``rollout`` of them generate; ``link`` is trainer
-    rank 0 with the rollout ranks (weights), ``episodes`` the same ranks (step batches)."""
+    rank 0 with the rollout ranks (weights), ``episodes`` the same ranks (step batches), ``trainer_group`` the
+    trainer ranks (their data-parallel update, the run's agreement and checkpoints; ``None`` with one) and ``dims``
+    their grid."""
 
     rank: int
     world: int
@@ -63,6 +71,9 @@ class Placement:
     device: torch.device
     link: Any = None
     episodes: Any = None
+    trainer_group: Any = None
+    dims: ParallelDims | None = None
+    stopped: bool = False
 
     @property
     def trainers(self) -> int:
@@ -95,60 +106,130 @@ class Placement:
             raise ValueError(
                 f"--rollout-ranks {r} leaves no trainer rank in a world of {world} processes: use at most {world - 1}"
             )
-        if p.tp > 1 or p.pp > 1 or world - r > 1:
-            raise ValueError(
-                f"--rollout-ranks trains on one rank for now ({world - r} trainer ranks here, tp={p.tp}, pp={p.pp}): "
-                f"launch {r + 1} processes for --rollout-ranks {r}"
-            )
-        if p.dp not in (-1, world - r):
-            raise ValueError(f"--dp {p.dp} must be the {world - r} ranks --rollout-ranks {r} leaves to train")
+        trainers = world - r
+        if p.tp > 1 or p.pp > 1:
+            raise ValueError("--rollout-ranks: the trainer ranks are data-parallel only for now; drop --tp/--pp")
+        if p.dp not in (-1, trainers) or (p.hsdp and trainers % p.hsdp):
+            raise ValueError(f"--dp {p.dp} / --hsdp {p.hsdp} must fit the {trainers} ranks --rollout-ranks {r} leaves")
         if config.lora_rank:
             raise ValueError("--rollout-ranks broadcasts full weights: drop --lora-rank (LoRA runs in one process)")
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         place = cls(rank, world, r, p.timeout_s, device)
-        members = [0, *place.rollout_global_ranks]
-        place.link = dist.new_group(members)
-        place.episodes = dist.new_group(members)
+        place.link = dist.new_group([0, *place.rollout_global_ranks])
+        place.episodes = dist.new_group([0, *place.rollout_global_ranks])
+        place.build_trainer_groups(p)
         return place
 
+    def build_trainer_groups(self, p) -> None:
+        """The trainers' group and grid (``dist.new_group``: every rank creates every group, rollout ranks too —
+        theirs hold rank 0's place and are never used). Trainer ranks are global ranks ``0 .. T − 1``, so the
+        grid's ranks are global ranks, and rank 0 stays the main rank."""
+        trainers = self.trainers
+        if trainers == 1:
+            self.dims = ParallelDims()  # a world of its own: no collective among trainers
+            return
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.trainer_group = dist.new_group(list(range(trainers)), timeout=timeout)
+        shard = p.hsdp or trainers
+        mine = self.rank if not self.is_rollout else 0
+        self.dims = ParallelDims(trainers // shard, shard, 1, 1, trainers, mine, comm=Comm(self.timeout_s))
+        self.dims.build_groups(self.timeout_s)
+        if not self.is_rollout:
+            set_run_group(self.trainer_group)  # the run's agreement and checkpoint barriers span the trainers
+
+    @property
+    def trainers_distributed(self) -> bool:
+        return self.trainers > 1
+
     def trainer_dims(self) -> ParallelDims:
-        return ParallelDims()  # one trainer rank: a world of its own (no collective among trainers)
+        assert self.dims is not None
+        return self.dims
+
+    def send(self, tensor: torch.Tensor, what: str) -> None:
+        """Trainer rank 0: broadcast ``tensor`` to the rollout ranks (waits at most the timeout)."""
+        work = dist.broadcast(tensor, src=0, group=self.link, async_op=True)
+        wait(work, self.timeout_s, f"the rollout ranks did not take {what}")
+
+    def stop(self, code: int) -> None:
+        """Trainer rank 0, once: tell the rollout ranks the run ended with ``code`` (0 done, 128 + N interrupted by
+        signal N, 1 failed); never raises (a rollout rank that is gone: the error in flight says why)."""
+        if self.rank != 0 or self.stopped:
+            return
+        self.stopped = True
+        try:
+            self.send(torch.tensor([STOP, 0, 0, code, 0], dtype=torch.long, device=self.device), "the run's end")
+        except LinkError:
+            pass
+
+
+@contextmanager
+def placed(config: RLConfig, distributed: bool) -> Iterator[Placement | None]:
+    """The run's :class:`Placement` with ``--rollout-ranks`` (else None). On the way out trainer rank 0 tells the
+    rollout ranks how the run ended (also when it ended before its first step: a finished run, bad input), and the
+    run's collectives span the whole world again."""
+    if not config.rollout_ranks:
+        yield None
+        return
+    place = Placement.create(config, distributed)
+    try:
+        yield place
+    except BaseException as e:
+        place.stop(e.exit_code if isinstance(e, Interrupted) else 1)
+        raise
+    finally:
+        place.stop(0)
+        set_run_group(None)
 
 
 # ---- trainer rank 0 ----------------------------------------------------------------------------------------------
 
 
 class RemoteRollouts:
-    """The trainer's side (what :class:`~spinwheel.rl.llm.async_rollouts.SyncRollouts` is in one process): step
-    batches received from the rollout ranks, new weights broadcast to them."""
+    """The trainers' side (what :class:`~spinwheel.rl.llm.async_rollouts.SyncRollouts` is in one process): trainer
+    rank 0 receives the step batches from the rollout ranks and hands them to the other trainer ranks, and after
+    each update broadcasts the new weights (every trainer rank first syncs its engine copy: a collective where the
+    layout shards the weights)."""
 
     def __init__(self, place: Placement, model: torch.nn.Module, first: int, end: int, sync_eval, context: int) -> None:
         self.place, self.sync_eval, self.context = place, sync_eval, context
+        self.main = place.rank == 0
         self.engine = SimpleNamespace(num_swaps=0)  # the rollout ranks' swaps (staleness figures)
         self.broadcast: dict[str, float] = {}  # the last weight broadcast's seconds and MiB
-        self.closed = False
-        self._broadcast(WEIGHTS, first, end, model)  # the run's start: its first step, end and weights
+        self.publish(first, model, end)  # the run's start: its first step, end and weights
 
-    def _broadcast(self, kind: int, version: int, end: int, model: torch.nn.Module | None, code: int = 0) -> None:
-        place = self.place
-        header = torch.tensor([kind, version, end, code, self.context], dtype=torch.long, device=place.device)
-        self._send(header, "the broadcast's header")
-        if model is None:
-            return
-        start = time.perf_counter()
+    def _send_weights(self, version: int, end: int, model: torch.nn.Module) -> None:
+        place, start = self.place, time.perf_counter()
+        header = torch.tensor([WEIGHTS, version, end, 0, self.context], dtype=torch.long, device=place.device)
+        place.send(header, "the broadcast's header")
         tensors = weight_tensors(model.state_dict())
-        sent = broadcast_weights(tensors, True, lambda b: self._send(b, f"the weights of version {version}"),
+        sent = broadcast_weights(tensors, True, lambda b: place.send(b, f"the weights of version {version}"),
                                  device=place.device)  # fmt: skip
         self.broadcast = {"broadcast_s": time.perf_counter() - start, "broadcast_mb": sent / 2**20}
 
-    def _send(self, tensor: torch.Tensor, what: str) -> None:
-        work = dist.broadcast(tensor, src=0, group=self.place.link, async_op=True)
-        wait(work, self.place.timeout_s, f"the rollout ranks did not take {what}")
-
     def take(self, step: int) -> Rollout:
-        """The step's episodes from every rollout rank, in rank order (= the one-process order of the groups)."""
-        start, episodes, times = time.perf_counter(), [], {"generate": 0.0, "score": 0.0, "wait_weights": 0.0}
+        """The step's episodes from every rollout rank, in rank order (= the one-process order of the groups), on
+        every trainer rank; a failure on trainer rank 0 fails the step on every trainer rank."""
+        start, outcome = time.perf_counter(), None
+        if self.main:
+            try:
+                outcome = ("ok", self._receive(step))
+            except (LinkError, StepFailed) as e:
+                outcome = ("error", e)
+        if self.place.trainers_distributed:
+            box = [outcome]
+            dist.broadcast_object_list(box, src=0, group=self.place.trainer_group)
+            outcome = box[0]
+        assert outcome is not None
+        if outcome[0] == "error":
+            raise outcome[1]
+        rollout, self.engine.num_swaps = outcome[1]
+        rollout.times["wait_rollout"] = time.perf_counter() - start
+        return rollout
+
+    def _receive(self, step: int) -> tuple[Rollout, float]:
+        """Trainer rank 0: (the step's rollout, the rollout ranks' weight swaps so far)."""
+        episodes, times = [], {"generate": 0.0, "score": 0.0, "wait_weights": 0.0}
         swaps = 0.0
         for src in self.place.rollout_global_ranks:
             what = f"rollout rank {src} sent no episodes for step {step}"
@@ -162,32 +243,24 @@ class RemoteRollouts:
             swaps += their_times.pop("weight_swaps")
             for k, v in their_times.items():  # the slowest rollout rank's
                 times[k] = max(times[k], v)
-        self.engine.num_swaps = swaps
         failed = [e for e in episodes if e.failed]
         if 2 * len(failed) > len(episodes):
             raise StepFailed(RuntimeError(f"{len(failed)} of {len(episodes)} episodes failed: {failed[0].error}"))
-        times["wait_rollout"] = time.perf_counter() - start
-        return Rollout(step, episodes, times)
+        return Rollout(step, episodes, times), swaps
 
     def figures(self) -> dict[str, float]:
         """The rollout ranks' weight swaps so far (with ``--max-staleness``: beside the staleness figures)."""
         return {"weight_swaps": float(self.engine.num_swaps)}
 
-    def publish(self, version: int, model: torch.nn.Module) -> None:
-        self._broadcast(WEIGHTS, version, 0, model)
-        self.sync_eval()  # the trainer's own engine (evaluation) on the new weights
+    def publish(self, version: int, model: torch.nn.Module, end: int = 0) -> None:
+        """Every trainer rank: the engine copies take the new weights (``model``: trainer rank 0's); then trainer
+        rank 0 broadcasts them to the rollout ranks as ``version``."""
+        self.sync_eval()  # the trainers' own engines (evaluation), gathered where the layout shards the weights
+        if self.main:
+            self._send_weights(version, end, model)
 
     def close(self) -> None:
-        """Tell the rollout ranks the run ended, and how (from the exception in flight, if any); never raises."""
-        if self.closed:
-            return
-        self.closed = True
-        error = sys.exc_info()[1]
-        code = 0 if error is None else (error.exit_code if isinstance(error, Interrupted) else 1)
-        try:
-            self._broadcast(STOP, 0, 0, None, code)
-        except LinkError:
-            pass  # a rollout rank that is gone: the error in flight says why
+        pass  # the run's end reaches the rollout ranks from :func:`placed`
 
 
 def trainer_rollouts(job) -> RemoteRollouts:
