@@ -13,9 +13,15 @@ from helpers import small_config
 import spinwheel.rl.llm.async_rollouts as async_rollouts
 from spinwheel.models.hf import load_model
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.async_rollouts import RolloutProducer, WeightBox, staleness_figures
+from spinwheel.rl.llm.async_rollouts import RolloutProducer, WeightBox
 from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm.off_policy import cispo_loss, decoupled_policy_loss, off_policy_weights, sequence_is_mask
+from spinwheel.rl.llm.off_policy import (
+    cispo_loss,
+    decoupled_policy_loss,
+    off_policy_weights,
+    sequence_is_mask,
+    staleness_figures,
+)
 from spinwheel.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("digit_reward")  # the reward module `rl_test_reward:digits` (helpers.py)

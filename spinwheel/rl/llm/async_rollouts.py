@@ -295,8 +295,6 @@ def check_async_options(config: Any) -> None:
     if config.max_staleness is None:
         if config.kv_on_update != "keep" or config.rollout_engine != "thread":
             raise ValueError("--kv-on-update and --rollout-engine act on the rollout producer: give --max-staleness K")
-    elif config.rollout_engine == "process" and config.lora_rank:
-        raise ValueError("--rollout-engine process does not take --lora-rank yet: use the thread producer (default)")
 
 
 def producer_threads(max_ahead: int) -> int:
@@ -323,32 +321,3 @@ class _EngineRef:
     """What :func:`~spinwheel.rl.llm.run_envs.play_share` plays on: an object with ``.engine``."""
 
     engine: Any
-
-
-def token_versions(episodes: list[Episode], width: int, step: int) -> torch.Tensor:
-    """(B, T) long: the version that sampled each label position (``width`` = T), ``step`` where the episode
-    recorded none (the synchronous loop) and off the sampled tokens."""
-    rows = torch.full((len(episodes), width), step, dtype=torch.long)
-    for i, e in enumerate(episodes):
-        positions = [j - 1 for j, m in enumerate(e.mask) if m and j >= 1]
-        if e.versions and len(e.versions) == len(positions):
-            rows[i, positions] = torch.tensor(e.versions, dtype=torch.long)
-    return rows
-
-
-def staleness_figures(
-    versions: torch.Tensor, mask: torch.Tensor, step: int, max_staleness: int
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """(keep (B,): 0 for the rows whose oldest sampled token is more than ``max_staleness`` versions behind
-    ``step``, and the figures: ``dropped_samples``, ``staleness_mean`` / ``staleness_max`` over the kept tokens and
-    ``staleness/<k>`` the share of kept tokens k versions behind)."""
-    behind = (step - versions).clamp(min=0) * (mask != 0)  # (B, T)
-    keep = (behind.amax(1) <= max_staleness).to(mask.dtype)
-    trained = (mask != 0) & (keep[:, None] != 0)
-    values = behind[trained]
-    figures = {"dropped_samples": float((keep == 0).sum())}
-    if values.numel():
-        figures.update(staleness_mean=float(values.float().mean()), staleness_max=float(values.max()))
-        for k, n in zip(*torch.unique(values, return_counts=True)):
-            figures[f"staleness/{int(k)}"] = float(n) / values.numel()
-    return keep, figures

@@ -28,18 +28,12 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.rl.llm.algorithms import ALGORITHMS, Algorithm, Parts
-from spinwheel.rl.llm.async_rollouts import (
-    RolloutProducer,
-    SyncRollouts,
-    make_producer,
-    staleness_figures,
-    token_versions,
-)
+from spinwheel.rl.llm.async_rollouts import RolloutProducer, SyncRollouts, make_producer
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.engine_tp import EngineTP, check_engine_tp
 from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards, mean_info
 from spinwheel.rl.llm.episodes import EpisodesInterrupted
-from spinwheel.rl.llm.off_policy import off_policy_weights
+from spinwheel.rl.llm.off_policy import off_policy_weights, staleness_figures, token_versions
 from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
 from spinwheel.rl.llm.rollout import gather_dp
 from spinwheel.rl.llm.rollout_play import serve_rollouts, step_seeds

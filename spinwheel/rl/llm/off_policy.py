@@ -15,6 +15,8 @@ token's gradient is clipped away::
 
     loss = −Σ w · sg(clip(r, 1 − ε_low, 1 + ε_high)) · A · log π_θ
 
+Also the staleness of asynchronous rollouts' tokens (:func:`token_versions`, :func:`staleness_figures`).
+
 Shapes: ``B`` rows, ``T`` positions; per-token tensors (B, T); ``mask`` (B, T) 1 on sampled tokens.
 """
 
@@ -25,6 +27,7 @@ import math
 import torch
 from torch import Tensor
 
+from spinwheel.rl.llm.episode_tokens import Episode
 from spinwheel.rl.llm.token_losses import _per_token, clipped_policy_loss, truncated_is_weights
 from spinwheel.rl.losses import Stats
 
@@ -127,3 +130,32 @@ def cispo_loss(
         if is_weights is not None:
             stats["is_weight_mean"] = (w * is_weights).sum()
     return loss, stats
+
+
+def token_versions(episodes: list[Episode], width: int, step: int) -> torch.Tensor:
+    """(B, T) long: the version that sampled each label position (``width`` = T), ``step`` where the episode
+    recorded none (the synchronous loop) and off the sampled tokens."""
+    rows = torch.full((len(episodes), width), step, dtype=torch.long)
+    for i, e in enumerate(episodes):
+        positions = [j - 1 for j, m in enumerate(e.mask) if m and j >= 1]
+        if e.versions and len(e.versions) == len(positions):
+            rows[i, positions] = torch.tensor(e.versions, dtype=torch.long)
+    return rows
+
+
+def staleness_figures(
+    versions: torch.Tensor, mask: torch.Tensor, step: int, max_staleness: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(keep (B,): 0 for the rows whose oldest sampled token is more than ``max_staleness`` versions behind
+    ``step``, and the figures: ``dropped_samples``, ``staleness_mean`` / ``staleness_max`` over the kept tokens and
+    ``staleness/<k>`` the share of kept tokens k versions behind)."""
+    behind = (step - versions).clamp(min=0) * (mask != 0)  # (B, T)
+    keep = (behind.amax(1) <= max_staleness).to(mask.dtype)
+    trained = (mask != 0) & (keep[:, None] != 0)
+    values = behind[trained]
+    figures = {"dropped_samples": float((keep == 0).sum())}
+    if values.numel():
+        figures.update(staleness_mean=float(values.float().mean()), staleness_max=float(values.max()))
+        for k, n in zip(*torch.unique(values, return_counts=True)):
+            figures[f"staleness/{int(k)}"] = float(n) / values.numel()
+    return keep, figures
