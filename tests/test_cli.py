@@ -5,11 +5,10 @@ output; generate and serve spell their settings alike."""
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_cli
 
 import spinwheel
 from spinwheel.cli import GenerateConfig, PlacementConfig, build_parser, main
@@ -178,9 +177,8 @@ def test_generate_and_serve_spell_settings_alike():
     assert gen.model == srv.model == "runs/demo/grpo/checkpoint"
 
 
-@pytest.mark.slow
-def test_version_and_descriptions():
-    proc = subprocess.run([sys.executable, "-m", "spinwheel", "--version"], capture_output=True, text=True, timeout=120)
+def test_version_and_descriptions(capfd):
+    proc = run_cli(["--version"], capfd)
     assert proc.returncode == 0 and proc.stdout.strip() == f"spinwheel {spinwheel.__version__}"
     sub = next(a for a in build_parser()._actions if isinstance(a, __import__("argparse")._SubParsersAction))
     for name, p in sub.choices.items():
@@ -199,30 +197,21 @@ def test_help_shows_each_default_once(command, capsys):
     assert "the built-in arithmetic task (default:" not in text  # a help that states its default shows no other
 
 
-@pytest.mark.slow
-def test_launch_help_is_torchruns(capsys):
-    proc = subprocess.run(
-        [sys.executable, "-m", "spinwheel", "launch", "--help"], capture_output=True, text=True, timeout=120
-    )
+def test_launch_help_is_torchruns(capfd):
+    proc = run_cli(["launch", "--help"], capfd)
     assert proc.returncode == 0 and "spinwheel launch" in proc.stdout and "--nproc-per-node" in proc.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU build of torch")
-def test_cuda_device_without_cuda_is_one_line(tmp_path, capsys):
-    proc = subprocess.run(
-        [sys.executable, "-m", "spinwheel", "sft", "--device", "cuda", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_cuda_device_without_cuda_is_one_line(tmp_path, capfd):
+    proc = run_cli(["sft", "--device", "cuda", "--out-dir", str(tmp_path)], capfd)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--device cuda: this PyTorch build has no CUDA" in proc.stderr
     for command in (["generate"], ["serve"], ["grpo", "--out-dir", str(tmp_path)]):
         assert main([*command, "--device", "cuda"]) == 2
-        assert "no CUDA" in _error_line(capsys)
+        assert "no CUDA" in _error_line(capfd)
     assert main(["generate", "--device", "gpu"]) == 2
-    assert "not a torch device" in _error_line(capsys)
+    assert "not a torch device" in _error_line(capfd)
 
 
 def test_parser_defaults_build_valid_configs(capsys):
