@@ -138,7 +138,7 @@ def report(args: argparse.Namespace, name: str, run: dict) -> str:
             line += f", weights to the engine process {last['weight_publish_s'] / len(run['records']) * 1e3:.1f} ms"
             line += f" / {last['weight_publish_mb'] / len(run['records']):.1f} MiB an update"
     if run["evals"]:
-        curve = " ".join(f"{s}:{v:.3f}" for s, v, _ in run["evals"])
+        curve = " ".join(f"{s}:{v:.3f}@{w:.0f}s" for s, v, w in run["evals"])
         reached = next(((s, w) for s, v, w in run["evals"] if v >= args.threshold), None)
         when = f"step {reached[0]} after {reached[1]:.0f} s" if reached else "not reached"
         line += f"\n{'':18}held-out {curve}; >= {args.threshold:.0%}: {when}; training {run['train_s']:.0f} s"

@@ -280,8 +280,8 @@ class RolloutProducer:
 
     def close(self) -> None:
         self.box.close()
-        if hasattr(self.engine, "kill"):
-            self.engine.close()  # a producer waiting on the child gets EngineDied and, closed, returns
+        if hasattr(self.engine, "kill"):  # no call from this thread on the producer's pipe: the child is ended,
+            self.engine.kill()  # a producer waiting on it gets EngineDied and, closed, returns
         while not self.queue.empty():
             self.queue.get_nowait()
         if self.thread.is_alive():

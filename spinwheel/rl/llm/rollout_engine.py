@@ -29,7 +29,9 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions that pass shared-memory tensors to the child
 
 from spinwheel.models.config import ModelConfig
+from spinwheel.models.lora import lora_layers
 from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.rl.llm.weight_sync import state_bytes, sync_keys
 
 
 class EngineDied(RuntimeError):
@@ -48,11 +50,14 @@ class _Spec:
     version: int
     kv: str
     wrap: tuple[type, type]  # (VersionedEngine, WeightBox) of async_rollouts, which imports this module
+    lora: Any = None  # the policy's LoRAConfig: the child's model gets the same adapter layers (unmerged)
+    sync_keys: tuple[str, ...] = ()  # what each update changes (weight_sync.sync_keys): the child reloads these
 
 
 def _serve(conn: Connection, spec: _Spec) -> None:
-    """The child: build the engine, then answer calls until told to close or the pipe closes."""
+    """The child: build the engine, then answer calls until the pipe closes (or it is killed)."""
     from spinwheel.engine import LLM
+    from spinwheel.models.lora import apply_lora
     from spinwheel.models.transformer import Transformer
 
     versioned_engine, weight_box = spec.wrap
@@ -60,9 +65,11 @@ def _serve(conn: Connection, spec: _Spec) -> None:
     torch.set_num_threads(spec.num_threads)
     dtype = next(iter(spec.weights.values())).dtype
     model = Transformer(spec.config).to(dtype).requires_grad_(False)
+    if spec.lora is not None:
+        apply_lora(model, spec.lora, seed=0)  # the factors are loaded next
     model.load_state_dict(spec.weights, strict=False)
     box = weight_box(spec.version)
-    box.state = spec.weights
+    box.state = {k: spec.weights[k] for k in spec.sync_keys}
     engine = versioned_engine(LLM(model, spec.tokenizer, **spec.options).engine, box, spec.version, spec.kv)
     conn.send(("ok", (set(engine.eos_ids), engine.max_model_len)))
     while True:
@@ -71,9 +78,6 @@ def _serve(conn: Connection, spec: _Spec) -> None:
         except (EOFError, OSError):
             return
         try:
-            if name == "close":
-                conn.send(("ok", None))
-                return
             if name == "step":
                 version, stream = args
                 box.version = max(box.version, version)
@@ -105,6 +109,8 @@ class EngineProcess:
                 if not k.startswith("rotary.")
             }
         self.weight_bytes = sum(w.numel() * w.element_size() for w in self.weights.values())
+        layers = lora_layers(model)  # with LoRA an update copies the adapters alone (weight_sync.sync_state)
+        self.lora, self.sync_keys = next(iter(layers.values())).config if layers else None, tuple(sync_keys(model))
         self.version, self.box = version, None
         self.num_swaps = self.num_recomputed = self.num_prompt_tokens = self.restarts = 0
         self.block_manager = SimpleNamespace(num_prefix_hit_tokens=0)
@@ -131,6 +137,8 @@ class EngineProcess:
             self.version,
             self.kv,
             self.wrap,
+            self.lora,
+            self.sync_keys,
         )
         self.proc = ctx.Process(target=_serve, args=(child, spec), daemon=True, name="rollout-engine")
         self.proc.start()
@@ -153,14 +161,6 @@ class EngineProcess:
         if self.conn is not None:
             self.conn.close()
         self.dead = True
-
-    def close(self) -> None:
-        if not self.dead:
-            try:
-                self._call("close")
-            except (EngineDied, TimeoutError):
-                pass
-        self.kill()
 
     def _call(self, name: str, *args: Any) -> Any:
         if self.dead:
@@ -202,11 +202,11 @@ class EngineProcess:
         if version > self.version and state is not None:
             start = time.perf_counter()
             with torch.no_grad():
-                for k, w in self.weights.items():
-                    w.copy_(state[k])
+                for k, v in state.items():
+                    self.weights[k].copy_(v)
             self.load_s = time.perf_counter() - start  # the last copy's seconds (weight_sync.engine_sync_figures)
             self.publish_s += self.load_s
-            self.published_bytes += self.weight_bytes
+            self.published_bytes += state_bytes(state)
             self.version = version
         outputs, (prompt_tokens, hits, swaps, recomputed) = self._call("step", self.version, stream)
         self.num_prompt_tokens, self.block_manager.num_prefix_hit_tokens = prompt_tokens, hits
