@@ -168,9 +168,9 @@ class RLConfig(RunConfig):
     rollout_ranks: int | None = option(
         None,
         help="disaggregated placement under `spinwheel launch --nproc-per-node N`: the last R ranks only generate "
-        "(engine, environments, rewards) and send each step's episodes to the trainer rank, which broadcasts its "
-        "weights to them in buckets after each update; with --max-staleness K they may run K updates ahead "
-        "(default 0: the synchronous run); one trainer rank for now",
+        "(engine, environments, rewards) and send each step's episodes to trainer rank 0, which broadcasts the "
+        "weights to them in buckets after each update; the other N - R ranks train data-parallel (no --tp/--pp); "
+        "with --max-staleness K the rollout ranks may run K updates ahead (default 0: the synchronous run)",
         group="rollout",
     )
     kv_on_update: Literal["keep", "recompute"] = option(

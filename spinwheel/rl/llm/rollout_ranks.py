@@ -214,8 +214,10 @@ class RemoteRollouts:
         if self.main:
             try:
                 outcome = ("ok", self._receive(step))
-            except (LinkError, StepFailed) as e:
+            except StepFailed as e:
                 outcome = ("error", e)
+            except LinkError as e:  # before any weight changed: the harness saves the steps before it
+                outcome = ("error", StepFailed(e))
         if self.place.trainers_distributed:
             box = [outcome]
             dist.broadcast_object_list(box, src=0, group=self.place.trainer_group)
