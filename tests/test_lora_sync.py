@@ -13,6 +13,7 @@ from helpers import server_model, small_config
 
 import spinwheel
 from spinwheel.engine import LLM, SamplingParams
+from spinwheel.models.hf import load_model
 from spinwheel.models.lora import LoRAConfig, apply_lora, lora_parameters, merge
 from spinwheel.rl.llm import loop
 from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
@@ -88,3 +89,22 @@ def test_an_async_lora_run_sends_the_adapters_alone(tmp_path, monkeypatch):
             assert torch.equal(copy_state[name], p), name
     assert job.rollouts.engine.num_swaps >= 1
     assert all(copy_state[n].abs().max() > 0 for n in adapters if "lora_B" in n)  # trained adapters arrived
+
+
+@pytest.mark.usefixtures("digit_reward")
+@pytest.mark.slow
+def test_a_lora_engine_process_serves_the_adapters_and_receives_them_alone(tmp_path):
+    """``--rollout-engine process``: the child builds the same LoRA layers, each update copies the adapters alone
+    to shared memory, and with K = 0 the run is the synchronous LoRA run exactly (a child serving the bare base, or
+    stale adapters, would sample other tokens)."""
+    lora = dict(steps=2, lora_rank=4, lora_alpha=8)
+    sync = loop.train_rl(small_config(tmp_path / "sync", **lora))["history"]
+    proc = loop.train_rl(small_config(tmp_path / "proc", max_staleness=0, rollout_engine="process", **lora))["history"]
+    sync, proc = [r for r in sync if "reward_mean" in r], [r for r in proc if "reward_mean" in r]
+    for key in ("reward_mean", "loss", "kl_ref", "grad_norm", "mismatch_max"):
+        assert [r[key] for r in proc] == [r[key] for r in sync], key
+    model = load_model("test", vocab_size=spinwheel.Tokenizer.char_level().vocab_size)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0))
+    adapter_mb = sum(p.numel() * 4 for p in lora_parameters(model).values()) / 2**20
+    assert proc[-1]["weight_swaps"] == 1 and proc[-1]["weight_publish_mb"] == pytest.approx(adapter_mb)
+    assert all(r["sync_bytes"] == adapter_mb * 2**20 for r in proc)

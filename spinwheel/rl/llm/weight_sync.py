@@ -9,7 +9,9 @@ adapter without ever merging them — the adapter-only sync of verl / prime-rl, 
 
 The figures of each update go to ``metrics.jsonl``: ``sync_bytes`` (what the update sent: the adapters' bytes under
 LoRA, every weight's otherwise), ``sync_load_s`` (the producer's seconds to load the newest version into its
-engine, prefix-cache drop included) beside the trainer's own copy time ``time/sync``.
+engine, prefix-cache drop included) beside the trainer's own copy time ``time/sync``. With ``--rollout-engine
+process`` the child builds the same LoRA layers and the shared-memory copy moves the adapters alone as well
+(``weight_publish_mb``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ from torch import nn
 from spinwheel.models.lora import lora_layers
 
 
-def sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached copies of what an engine copy of ``model`` needs after an update (the trainer goes on updating its
-    own tensors in place): with LoRA layers the tensors that train (the adapters; the frozen base never changes),
-    else every tensor of the state dict but the rotary tables (derived, not loaded)."""
+def sync_keys(model: nn.Module) -> list[str]:
+    """The state-dict names an update changes in an engine copy of ``model``: with LoRA layers the tensors that
+    train (the adapters; the frozen base never changes), else every tensor but the rotary tables (derived)."""
     if lora_layers(model):
-        return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+        return [k for k, p in model.named_parameters() if p.requires_grad]
+    return [k for k in model.state_dict() if not k.startswith("rotary.")]
+
+
+def sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of the :func:`sync_keys` tensors of ``model``: what one update sends to an engine copy (the
+    trainer goes on updating its own tensors in place)."""
+    state = model.state_dict()
+    return {k: state[k].detach().clone() for k in sync_keys(model)}
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
