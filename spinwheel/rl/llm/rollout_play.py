@@ -28,6 +28,7 @@ from spinwheel.rl.llm.rollout_ranks import STOP, Placement
 from spinwheel.rl.llm.rollout_wire import (
     EPISODES,
     FAILED,
+    LinkError,
     broadcast_weights,
     error_message,
     pack_episodes,
@@ -118,6 +119,11 @@ def serve_rollouts(config: RLConfig, place: Placement) -> dict[str, Any]:
             played, failure = _play_steps(config, place, engine, make_env, first, end)
         except Closed:
             pass
+        except LinkError:
+            receiver.thread.join()
+            if receiver.code is None:
+                raise
+            # else the trainer ended first and said how (below): the broken link is its consequence
         receiver.thread.join()  # bounded: the receiver's every wait has the timeout
     if receiver.error is not None:
         raise receiver.error

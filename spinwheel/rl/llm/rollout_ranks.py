@@ -35,11 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spinwheel.envs import EnvError
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.run_group import set_run_group
 from spinwheel.rl.llm.async_rollouts import Rollout
 from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.rewards import RewardError
 from spinwheel.rl.llm.rollout_wire import (
     EPISODES,
     FAILED,
@@ -237,7 +239,7 @@ class RemoteRollouts:
             what = f"rollout rank {src} sent no episodes for step {step}"
             kind, got, parts = recv_message(src, self.place.episodes, self.place.device, self.place.timeout_s, what)
             if kind == FAILED:
-                raise StepFailed(RuntimeError(f"rollout rank {src}, step {got}: {error_text(parts)}"))
+                raise StepFailed(RewardError(f"rollout rank {src}, step {got}: {error_text(parts)}"))
             if kind != EPISODES or got != step:
                 raise RuntimeError(f"rollout rank {src} sent step {got} (kind {kind}) for step {step} (a bug)")
             mine, their_times = unpack_episodes(*parts)
@@ -247,7 +249,7 @@ class RemoteRollouts:
                 times[k] = max(times[k], v)
         failed = [e for e in episodes if e.failed]
         if 2 * len(failed) > len(episodes):
-            raise StepFailed(RuntimeError(f"{len(failed)} of {len(episodes)} episodes failed: {failed[0].error}"))
+            raise StepFailed(EnvError(f"{len(failed)} of {len(episodes)} episodes failed: {failed[0].error}"))
         return Rollout(step, episodes, times), swaps
 
     def figures(self) -> dict[str, float]:
