@@ -82,7 +82,7 @@ def _hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the module's engine (2 processes)
 def test_greedy_equals_one_device_and_hf_with_chunks_prefix_cache_and_preemption(engines, tiny_llama):
     pp, one = engines
     prompts, lengths = _workload(0)
@@ -98,6 +98,7 @@ def test_greedy_equals_one_device_and_hf_with_chunks_prefix_cache_and_preemption
     assert pp.engine.executor.most_in_flight == 2  # both micro-batches in the pipeline at once
 
 
+@pytest.mark.slow  # the module's engine (2 processes)
 def test_seeded_sampling_with_forks_and_beams_equal_one_device(engines):
     pp, one = engines
     prompts, lengths = _workload(1)
@@ -110,6 +111,7 @@ def test_seeded_sampling_with_forks_and_beams_equal_one_device(engines):
     assert beams == [[c.token_ids for c in o.outputs] for o in one.beam_search(prompts[:3], beam_width=3, max_tokens=6)]
 
 
+@pytest.mark.slow  # the module's engine (2 processes)
 def test_abort_of_a_request_in_flight_waits_for_its_iteration(engines):
     engine = engines[0].engine
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -132,6 +134,7 @@ def test_abort_of_a_request_in_flight_waits_for_its_iteration(engines):
     assert all(m.block_manager.num_used_blocks == 0 for m in engine.micro)
 
 
+@pytest.mark.slow  # the module's engine (2 processes)
 def test_each_stage_holds_half_the_layers_and_of_every_block(engines):
     pp, one = engines
     memory = pp.engine.executor.memory
@@ -148,6 +151,7 @@ def test_each_stage_holds_half_the_layers_and_of_every_block(engines):
     assert pp.engine.runner.num_blocks == one.engine.runner.num_blocks
 
 
+@pytest.mark.slow  # the module's engine (2 processes)
 def test_what_pp_does_not_do_yet_is_refused(engines):
     pp, one = engines
     with pytest.raises(NotImplementedError, match="pipeline parallelism"):
@@ -167,6 +171,7 @@ def test_pp_degree_must_divide_layers_before_anything_starts():
     assert len(multiprocessing.active_children()) == before
 
 
+@pytest.mark.slow  # the module's engine (2 processes)
 def test_killed_stage_raises_and_closes(engines):
     pp, _ = engines
     (stage,) = pp.engine.executor.procs

@@ -79,6 +79,7 @@ class PPExecutor:
         backend = "nccl" if model.device.type == "cuda" else "gloo"
         runner_config = stage_pool_config(config, model.config, model.dtype, max_model_len)
         state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+        state["rotary.inv_freq"] = model.rotary.inv_freq.detach()  # a buffer state_dict leaves out
         init = f"tcp://127.0.0.1:{free_port()}"
         self.procs, self.conns = [], []
         with _may_have_children():

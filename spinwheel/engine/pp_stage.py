@@ -72,8 +72,9 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
 def stage_state(state: dict[str, torch.Tensor], config: ModelConfig, pp: int, stage: int) -> dict[str, torch.Tensor]:
     """The tensors of ``stage`` out of the full ``state`` (by reference), its layers renumbered from 0: the
     embedding on the first stage, the final norm and the LM head on the last (a tied head: the embedding's tensor,
-    which the last stage then holds as well)."""
-    layers = stage_layers(config.num_hidden_layers, pp, stage)
+    which the last stage then holds as well); every stage gets ``rotary.inv_freq`` when ``state`` has it (the
+    model's own, whatever its dtype, so every stage rotates exactly as the model does)."""
+    layers, last = stage_layers(config.num_hidden_layers, pp, stage), stage == pp - 1
     out = {}
     for name, t in state.items():
         head, _, rest = name.partition(".")
@@ -81,7 +82,7 @@ def stage_state(state: dict[str, torch.Tensor], config: ModelConfig, pp: int, st
             index, _, rest = rest.partition(".")
             if int(index) in layers:
                 out[f"layers.{int(index) - layers.start}.{rest}"] = t
-        elif (head == "embed_tokens" and stage == 0) or (head in ("norm", "lm_head") and stage == pp - 1):
+        elif head == "rotary" or (head == "embed_tokens" and stage == 0) or (head in ("norm", "lm_head") and last):
             out[name] = t
     if stage == pp - 1 and "lm_head.weight" not in out:
         out["lm_head.weight"] = state["embed_tokens.weight"]  # tied and saved once
@@ -105,8 +106,12 @@ class StageModel(nn.Module):
             self.layers = nn.ModuleList(Block(config, i) for i in layers)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last else None
             self.lm_head = nn.Linear(config.hidden_size, config.num_outputs, bias=False) if self.last else None
+        state = dict(state)
+        inv_freq = state.pop("rotary.inv_freq", None)
         self.load_state_dict(state, assign=True, strict=True)
         self.rotary = RotaryEmbedding(config)
+        if inv_freq is not None:
+            self.rotary.inv_freq = inv_freq
         self.eval()
 
     @property
