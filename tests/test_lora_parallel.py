@@ -1,15 +1,17 @@
 """LoRA under the parallel layouts trains exactly like one process.
 
-The trainer: under DDP, ZeRO-1, ZeRO-2 and tp 2 (with gradient accumulation, and with clipping, weight decay and a
-scheduled learning rate as SFT trains), a LoRA model's per-step losses and final adapters equal single-process
+The trainer: under DDP, ZeRO-1, ZeRO-2, tp 2 and pp 2 (1F1B, and GPipe with tied embeddings; with gradient
+accumulation, and with clipping, weight decay and a scheduled learning rate as SFT trains), a LoRA model's per-step
+losses and final adapters equal single-process
 LoRA training of the same model and batches (fp32, relative 1e-5); the base is bit-for-bit unchanged, gets no
 gradient, and sits in no gradient bucket or optimizer shard; each rank's optimizer state is the adapters' Adam
 moments (8 bytes per element it steps: all of them under DDP, 1/dp under ZeRO, the replicated factors plus 1/tp of
-the split ones under TP); with the adapters switched off the parallel forward is the base model's.
+the split ones under TP, its stage's under PP); with the adapters switched off the parallel forward is the base
+model's.
 
 The commands (in-process on 2 spawned ranks): ``sft --lora-rank`` under tp 2, stopped and resumed from its sharded
 state, and GRPO with a KL penalty (reference: the adapters off) under ZeRO-2 give the single-process run's losses and
-write its PEFT adapter. ZeRO-3 / FSDP / PP are refused in one line.
+write its PEFT adapter. ZeRO-3 / FSDP / HSDP are refused in one line.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ LAYOUTS = [
     ("zero1", dict(zero=1, bucket_mb=0.001)),
     ("zero2", dict(zero=2, bucket_mb=0.001)),
     ("tp2-accum-remat", dict(tp=2, microbatches=2, remat=True)),
+    ("pp2-1f1b-m2", dict(pp=2, microbatches=2)),
+    ("pp2-gpipe-m2-tied", dict(pp=2, schedule="gpipe", microbatches=2, tied=True)),
 ]
 
 
-def lora_model() -> torch.nn.Module:
+def lora_model(tied: bool) -> torch.nn.Module:
     """The fidelity tests' 4-layer model with adapters on every projection, B drawn (not zero) so that the
     adapters change the outputs from the first step."""
-    model = make_model(tied=False)
+    model = make_model(tied)
     apply_lora(model, LORA, seed=0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -49,13 +53,13 @@ def lora_model() -> torch.nn.Module:
     return model
 
 
-def reference() -> dict:
+def reference(tied: bool) -> dict:
     """One process: the SFT recipe (scheduled lr, decay on matrices, clipping) on the LoRA model."""
-    model = lora_model()
+    model = lora_model(tied)
     ids, labels, _ = batches()[0]
     with torch.no_grad():
         on = token_logprobs(model(ids), labels)
-        base = token_logprobs(make_model(tied=False)(ids), labels)
+        base = token_logprobs(make_model(tied)(ids), labels)
     opt = build_adamw(model, 1e-3, WEIGHT_DECAY)
     losses = []
     for step, (ids, labels, mask) in enumerate(batches()[:STEPS]):
@@ -69,13 +73,15 @@ def reference() -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     adapters = {k: v.detach().clone() for k, v in lora_parameters(model).items()}
-    return {"losses": losses, "adapters": adapters, "on": on, "base": base}
+    return {"losses": losses, "adapters": adapters, "on": on, "base": base, "tied": tied}
 
 
-def _layout_worker(rank: int, world_size: int, ref: dict) -> dict:
+def _layout_worker(rank: int, world_size: int, refs: dict) -> dict:
     out = {}
     for name, kwargs in LAYOUTS:
-        model = lora_model()
+        kwargs = dict(kwargs)
+        ref = refs[kwargs.pop("tied", False)]
+        model = lora_model(ref["tied"])
         base0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
 
         def adamw(params):
@@ -119,9 +125,9 @@ def expected_optimizer_bytes(name: str, shapes: dict[str, tuple[int, ...]]) -> i
     return 8 * (held // 2 if name.startswith("zero") else held)
 
 
-def check_trainer_layouts(results: list[dict], ref: dict) -> None:
-    n_full = sum(v.numel() for v in ref["adapters"].values())
-    assert rel_err(ref["on"], ref["base"]) > 1e-3  # the adapters change the outputs from the first step
+def check_trainer_layouts(results: list[dict], refs: dict) -> None:
+    n_full = sum(v.numel() for v in refs[False]["adapters"].values())
+    assert all(rel_err(ref["on"], ref["base"]) > 1e-3 for ref in refs.values())  # the adapters change the outputs
     failures = []
     for rank, res in enumerate(results):
         for name, _ in LAYOUTS:
@@ -142,11 +148,11 @@ def check_trainer_layouts(results: list[dict], ref: dict) -> None:
 
 def test_unsupported_layouts_are_refused_in_one_line():
     config = small_config("unused", lora_rank=4)
-    for kwargs, flag in [(dict(zero=3), "--zero 3"), (dict(fsdp=True), "--fsdp"), (dict(pp=2), "--pp")]:
+    for kwargs, flag in [(dict(zero=3), "--zero 3"), (dict(fsdp=True), "--fsdp"), (dict(hsdp=2), "--hsdp 2")]:
         config.parallel = ParallelConfig(**kwargs)
-        with pytest.raises(ValueError, match=f"^spinwheel grpo --lora-rank runs under DDP .* not {flag}:"):
+        with pytest.raises(ValueError, match=f"^spinwheel grpo --lora-rank runs under DDP .* not {flag} "):
             check_one_process(config, True, "grpo")
-    for kwargs in (dict(), dict(zero=1), dict(zero=2), dict(tp=2), dict(dp=2, tp=2, zero=1)):
+    for kwargs in (dict(), dict(zero=1), dict(zero=2), dict(tp=2), dict(pp=2), dict(dp=2, tp=2, zero=1)):
         config.parallel = ParallelConfig(**kwargs)
         check_one_process(config, True, "grpo")
     config.parallel = ParallelConfig(zero=3)
@@ -180,12 +186,12 @@ def sft_config(out_dir, **kw):
 RL_LORA = dict(steps=3, lora_rank=4, lora_alpha=8, beta=0.05)
 
 
-def _worker(rank: int, world_size: int, ref: dict, root: str) -> dict:
+def _worker(rank: int, world_size: int, refs: dict, root: str) -> dict:
     """Every layout on the trainer, then the commands: one spawned world for the whole module."""
     from spinwheel.rl.llm.loop import train_rl
     from spinwheel.train.sft import train_sft
 
-    results = _layout_worker(rank, world_size, ref)
+    results = _layout_worker(rank, world_size, refs)
     tp2 = ParallelConfig(tp=2)
     train_sft(sft_config(f"{root}/sft-tp2", parallel=tp2, stop_after=2))
     train_sft(sft_config(f"{root}/sft-tp2", parallel=tp2))  # resumed from step 2's sharded state
@@ -203,11 +209,11 @@ def test_lora_under_layouts_trains_like_one_process(tmp_path, digit_reward):
     from spinwheel.train.metrics import read_metrics
     from spinwheel.train.sft import train_sft
 
-    ref = reference()
+    refs = {tied: reference(tied) for tied in (False, True)}
     train_sft(sft_config(tmp_path / "sft-one"))
     train_rl(small_config(tmp_path / "grpo-one", **RL_LORA))
-    results = spawn(_worker, 2, args=(ref, str(tmp_path)), timeout_s=300)
-    check_trainer_layouts(results, ref)
+    results = spawn(_worker, 2, args=(refs, str(tmp_path)), timeout_s=300)
+    check_trainer_layouts(results, refs)
     for one, two, key in [("sft-one", "sft-tp2", "loss"), ("grpo-one", "grpo-zero2", "loss")]:
         ref = {r["step"]: r[key] for r in read_metrics(tmp_path / one / "metrics.jsonl") if key in r}
         got = {r["step"]: r[key] for r in read_metrics(tmp_path / two / "metrics.jsonl") if key in r}

@@ -74,7 +74,8 @@ class PipelineStage(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         if self.is_last and self.tied and not self.is_first:
-            self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # the last stage's copy
+            tied = model.lm_head.weight  # the last stage's copy, trained as the embedding is (frozen under LoRA)
+            self.lm_head.weight = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
         self.rotary = model.rotary
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,7 +102,7 @@ def tied_weight(stage: nn.Module) -> torch.Tensor | None:
 def sync_tied_weights(stage: nn.Module, axis: Axis, comm: Comm) -> None:
     """Sum the tied weight's gradient over the first/last-stage group (``ParallelDims.pp_ends_axis``)."""
     w = tied_weight(stage)
-    if w is not None and axis.size > 1:
+    if w is not None and w.requires_grad and axis.size > 1:
         if w.grad is None:
             w.grad = torch.zeros_like(w)
         comm.all_reduce(w.grad, axis)

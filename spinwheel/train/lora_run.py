@@ -19,9 +19,9 @@ from, its reference policy and what a weight sync moves.
 * **Layouts.** Under ``torchrun`` LoRA runs with DDP and ZeRO-1/2, whose buckets and shards then hold the adapters
   alone (they take the trainable parameters; the frozen base gets no gradient and no optimizer state), and with
   tensor parallelism, which splits each factor as its base layer splits (:mod:`~spinwheel.parallel.tensor_lora`);
-  sharded checkpoints keep only trained parameters and rank 0 writes the gathered PEFT adapter, as one process
-  does. ZeRO-3 / FSDP / HSDP (flat units mix frozen and trained weights) and pipelines are refused in one line
-  (:func:`check_one_process`).
+  and with pipelines (each stage its blocks' adapters); sharded checkpoints keep only trained parameters and rank 0
+  writes the gathered PEFT adapter, as one process does. ZeRO-3 / FSDP / HSDP (flat units mix frozen and trained
+  weights) are refused in one line (:func:`check_one_process`).
 """
 
 from __future__ import annotations
@@ -46,16 +46,17 @@ LORA_HEAD_STATE = "lora_head_state"  # trainer-state key of a scalar-head model'
 
 def check_one_process(config: RunConfig, distributed: bool, command: str) -> None:
     """Refuse ``--lora-rank`` under a torchrun layout it does not run on (one line): it runs in one process and
-    under DDP, ZeRO-1/2 and tensor parallelism (and their products), not under the fully sharded layouts or a
-    pipeline."""
+    under DDP, ZeRO-1/2, tensor and pipeline parallelism (and their products), not under the fully sharded
+    layouts."""
     if not (distributed and config.lora_rank):
         return
     p = config.parallel
-    flags = {"--zero 3": p.zero == 3, "--fsdp": p.fsdp and not p.hsdp, f"--hsdp {p.hsdp}": p.hsdp, "--pp": p.pp > 1}
+    flags = {"--zero 3": p.zero == 3, "--fsdp": p.fsdp and not p.hsdp, f"--hsdp {p.hsdp}": p.hsdp}
     if refused := [flag for flag, on in flags.items() if on]:
         raise ValueError(
-            f"spinwheel {command} --lora-rank runs under DDP (--zero 0), --zero 1, --zero 2 and --tp, not "
-            f"{' '.join(refused)}: the adapters are small, so --zero 1/2 already shard all their optimizer state"
+            f"spinwheel {command} --lora-rank runs under DDP (--zero 0), --zero 1, --zero 2, --tp and --pp, not "
+            f"{' '.join(refused)} (flat units mix frozen and trained weights): --zero 1/2 shard all the adapters' "
+            "optimizer state"
         )
 
 
