@@ -198,7 +198,10 @@ class RemoteRollouts:
         self.main = place.rank == 0
         self.engine = SimpleNamespace(num_swaps=0)  # the rollout ranks' swaps (staleness figures)
         self.broadcast: dict[str, float] = {}  # the last weight broadcast's seconds and MiB
-        self.publish(first, model, end)  # the run's start: its first step, end and weights
+        self.lost: LinkError | None = None  # a broadcast after an update that failed: the next take() raises it
+        self.sync_eval()
+        if self.main:  # the run's start: its first step, end and weights
+            self._send_weights(first, end, model)
 
     def _send_weights(self, version: int, end: int, model: torch.nn.Module) -> None:
         place, start = self.place, time.perf_counter()
@@ -215,6 +218,8 @@ class RemoteRollouts:
         start, outcome = time.perf_counter(), None
         if self.main:
             try:
+                if self.lost is not None:
+                    raise self.lost
                 outcome = ("ok", self._receive(step))
             except StepFailed as e:
                 outcome = ("error", e)
@@ -256,12 +261,15 @@ class RemoteRollouts:
         """The rollout ranks' weight swaps so far (with ``--max-staleness``: beside the staleness figures)."""
         return {"weight_swaps": float(self.engine.num_swaps)}
 
-    def publish(self, version: int, model: torch.nn.Module, end: int = 0) -> None:
+    def publish(self, version: int, model: torch.nn.Module) -> None:
         """Every trainer rank: the engine copies take the new weights (``model``: trainer rank 0's); then trainer
         rank 0 broadcasts them to the rollout ranks as ``version``."""
         self.sync_eval()  # the trainers' own engines (evaluation), gathered where the layout shards the weights
         if self.main:
-            self._send_weights(version, end, model)
+            try:
+                self._send_weights(version, 0, model)
+            except LinkError as e:  # the update is done: the next step fails, once the harness saved this one
+                self.lost = e
 
     def close(self) -> None:
         pass  # the run's end reaches the rollout ranks from :func:`placed`
