@@ -7,8 +7,10 @@ Fixtures live in ``conftest.py``; this module holds plain functions and constant
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
+import sys
 import time
 import warnings
 from typing import TYPE_CHECKING
@@ -63,12 +65,17 @@ def run_cli(argv: list[str], capfd, umask: int | None = None) -> subprocess.Comp
     """``spinwheel ARGV`` in this process: ``spinwheel.cli.main`` is what ``python -m spinwheel`` runs, without the
     fresh interpreter (importing torch and spinwheel again costs ~2-3 s of CPU per command). Returns what a
     subprocess would: the exit status (``main``'s, or argparse's ``SystemExit``), stdout and stderr (``capfd``: what
-    C++ writes to the file descriptors too), with the warnings the command raised on stderr as the interpreter's
-    default filters show them. ``umask`` is set for the command; the thread count it may change is put back."""
+    C++ writes to the file descriptors too), with the warnings the command raised and the log records of level
+    WARNING and above on stderr, as a fresh interpreter shows them (its default warning filters; logging's last
+    resort handler, the message alone). ``umask`` is set for the command; the thread count it may change is put
+    back."""
     from spinwheel.cli import main
 
     capfd.readouterr()
     threads, mask = torch.get_num_threads(), None if umask is None else os.umask(umask)
+    last_resort = logging.StreamHandler(sys.stderr)  # the captured stream, bound now
+    last_resort.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(last_resort)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.resetwarnings()  # a fresh interpreter's filters, not pytest's
@@ -80,6 +87,7 @@ def run_cli(argv: list[str], capfd, umask: int | None = None) -> subprocess.Comp
             except SystemExit as e:  # argparse's exits; sys.exit("text") prints the text and exits 1
                 code, message = (e.code or 0, "") if isinstance(e.code, int | None) else (1, f"{e.code}\n")
     finally:
+        logging.getLogger().removeHandler(last_resort)
         torch.set_num_threads(threads)
         if mask is not None:
             os.umask(mask)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.metrics import read_metrics
@@ -142,7 +143,7 @@ def reference_losses(tmp_path: Path, steps: int) -> list[float]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_one_process_saves_the_step_and_resumes_exactly(tmp_path):
+def test_ctrl_c_in_one_process_saves_the_step_and_resumes_exactly(tmp_path, capfd):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "spinwheel", "sft", *SFT, "--out-dir", str(out)]
     proc = interrupt(cmd, out)
@@ -151,7 +152,7 @@ def test_ctrl_c_in_one_process_saves_the_step_and_resumes_exactly(tmp_path):
     assert_one_message(proc, step, out)
     assert "Traceback" not in proc.stderr
     assert logged_steps(out) == list(range(1, step + 1))  # the checkpoint is the last logged step, whole
-    resumed = subprocess.run(cmd + ["--stop-after", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    resumed = run_cli([*cmd[3:], "--stop-after", "2"], capfd)  # the same command, resumed in this process
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from step {step} of 5000" in resumed.stdout
     ours = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
@@ -211,13 +212,12 @@ def test_bad_layout_is_one_line_once(tmp_path):
     assert proc.returncode != 0 and proc.stderr.count("spinwheel sft: error:") == 1, proc.stderr
 
 
-@pytest.mark.slow
-def test_one_process_refuses_degrees_and_names_ignored_options(tmp_path):
+def test_one_process_refuses_degrees_and_names_ignored_options(tmp_path, capfd):
     """Without torchrun, --tp 2 is an error that says how to launch; --zero 2 is named in a warning, not dropped."""
-    args = [sys.executable, "-m", "spinwheel", "sft", "--model", "test", "--out-dir", str(tmp_path), "--steps", "1"]
-    proc = subprocess.run([*args, "--tp", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    args = ["sft", "--model", "test", "--out-dir", str(tmp_path), "--steps", "1"]
+    proc = run_cli([*args, "--tp", "2"], capfd)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "tp=2 needs 2 processes" in proc.stderr and "spinwheel launch --nproc-per-node 2" in proc.stderr
-    proc = subprocess.run([*args, "--zero", "2", "--remat"], capture_output=True, text=True, env=ENV, timeout=300)
+    proc = run_cli([*args, "--zero", "2", "--remat"], capfd)
     assert proc.returncode == 0, proc.stderr
     assert "--zero, --remat: ignored in a one-process run" in proc.stderr, proc.stderr
