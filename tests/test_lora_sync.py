@@ -13,7 +13,6 @@ from helpers import server_model, small_config
 
 import spinwheel
 from spinwheel.engine import LLM, SamplingParams
-from spinwheel.models.hf import load_model
 from spinwheel.models.lora import LoRAConfig, apply_lora, lora_parameters, merge
 from spinwheel.rl.llm import loop
 from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
@@ -68,43 +67,36 @@ def test_without_lora_every_weight_is_sent():
 
 @pytest.mark.usefixtures("digit_reward")
 @pytest.mark.slow
-def test_an_async_lora_run_sends_the_adapters_alone(tmp_path, monkeypatch):
+def test_lora_producers_receive_the_adapters_alone_and_give_the_synchronous_run(tmp_path, monkeypatch):
+    """``--max-staleness 0`` with the producer's engine copy in this process (thread) or in a child (``--rollout-
+    engine process``, which builds the same LoRA layers): each update sends the adapters alone, and the run is the
+    synchronous LoRA run exactly (an engine copy serving the bare base, or stale adapters, samples other tokens)."""
     jobs: list[loop.RLJob] = []
     init = loop.RLJob.__init__
     monkeypatch.setattr(loop.RLJob, "__init__", lambda self, *a, **k: init(self, *a, **k) or jobs.append(self))
-    config = small_config(tmp_path, steps=3, lora_rank=4, lora_alpha=8, max_staleness=1)
-    result = loop.train_rl(config)
-    job = jobs[-1]
-    adapters = lora_parameters(job.learner.model)
+    lora = dict(steps=2, lora_rank=4, lora_alpha=8)
+    runs = {
+        name: [r for r in loop.train_rl(small_config(tmp_path / name, **lora, **kw))["history"] if "reward_mean" in r]
+        for name, kw in (
+            ("sync", {}),
+            ("thread", dict(max_staleness=0)),
+            ("process", dict(max_staleness=0, rollout_engine="process")),
+        )
+    }
+    for key in ("reward_mean", "loss", "kl_ref", "grad_norm", "mismatch_max"):
+        assert [r[key] for r in runs["thread"]] == [r[key] for r in runs["process"]] == [r[key] for r in runs["sync"]]
+    adapters = lora_parameters(jobs[0].learner.model)
     expected = sum(p.numel() * p.element_size() for p in adapters.values())
-    records = [r for r in result["history"] if "sync_bytes" in r]
-    assert len(records) == 3 and all(r["sync_bytes"] == expected for r in records)
-    assert all(r["sync_load_s"] >= 0 for r in records) and any(r["sync_load_s"] > 0 for r in records)
-    # Step 2 needs version 1 (K = 1): the producer loaded it (a swap), so the last record has its seconds. The
-    # engine copy still holds the frozen base, bitwise.
-    copy_model = job.llm.engine.model
-    copy_state = copy_model.state_dict()
-    for name, p in job.learner.model.state_dict().items():
+    assert "sync_bytes" not in runs["sync"][-1]  # the synchronous loop's engine serves the trainer's own model
+    for name in ("thread", "process"):
+        assert [r["sync_bytes"] for r in runs[name]] == [expected, expected], name
+        assert runs[name][-1]["weight_swaps"] == 1, name  # step 1 needed version 1
+    assert runs["thread"][-1]["sync_load_s"] > 0
+    assert runs["process"][-1]["weight_publish_mb"] == pytest.approx(expected / 2**20)
+    # The thread producer's engine copy holds the frozen base bitwise and the trained adapters of version 1.
+    thread_job = jobs[1]
+    copy_state = thread_job.llm.engine.model.state_dict()
+    for name, p in thread_job.learner.model.state_dict().items():
         if "lora_" not in name:
             assert torch.equal(copy_state[name], p), name
-    assert job.rollouts.engine.num_swaps >= 1
-    assert all(copy_state[n].abs().max() > 0 for n in adapters if "lora_B" in n)  # trained adapters arrived
-
-
-@pytest.mark.usefixtures("digit_reward")
-@pytest.mark.slow
-def test_a_lora_engine_process_serves_the_adapters_and_receives_them_alone(tmp_path):
-    """``--rollout-engine process``: the child builds the same LoRA layers, each update copies the adapters alone
-    to shared memory, and with K = 0 the run is the synchronous LoRA run exactly (a child serving the bare base, or
-    stale adapters, would sample other tokens)."""
-    lora = dict(steps=2, lora_rank=4, lora_alpha=8)
-    sync = loop.train_rl(small_config(tmp_path / "sync", **lora))["history"]
-    proc = loop.train_rl(small_config(tmp_path / "proc", max_staleness=0, rollout_engine="process", **lora))["history"]
-    sync, proc = [r for r in sync if "reward_mean" in r], [r for r in proc if "reward_mean" in r]
-    for key in ("reward_mean", "loss", "kl_ref", "grad_norm", "mismatch_max"):
-        assert [r[key] for r in proc] == [r[key] for r in sync], key
-    model = load_model("test", vocab_size=spinwheel.Tokenizer.char_level().vocab_size)
-    apply_lora(model, LoRAConfig(rank=4, alpha=8.0))
-    adapter_mb = sum(p.numel() * 4 for p in lora_parameters(model).values()) / 2**20
-    assert proc[-1]["weight_swaps"] == 1 and proc[-1]["weight_publish_mb"] == pytest.approx(adapter_mb)
-    assert all(r["sync_bytes"] == adapter_mb * 2**20 for r in proc)
+    assert all(copy_state[n].abs().max() > 0 for n in adapters if "lora_B" in n)
