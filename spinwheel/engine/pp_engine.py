@@ -18,6 +18,7 @@ parallelism (refused in one line). Each micro-batch owns 1/P of the pool, so a r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -33,7 +34,7 @@ from spinwheel.engine.outputs import EngineStats
 from spinwheel.engine.pp_stage import check_checkpoint_pp_degree
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
-from spinwheel.engine.sequence import SequenceGroup
+from spinwheel.engine.sequence import SequenceGroup, SequenceStatus
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.threads import fit_threads
@@ -170,36 +171,34 @@ class PPEngine(LLMEngine):
                 groups += self._outputs(out, {}, stream)
         return groups
 
-    # ---- what is not per micro-batch ----
+    # ---- what is not per micro-batch (read-only: a server may call these from another thread) ----
     def stats(self) -> EngineStats:
-        parts = []
-        for micro in self.micro:
-            self._use(micro)
-            parts.append(super().stats())
-        blocks = sum(p.num_blocks for p in parts)
-        free = sum(p.num_free_blocks for p in parts)
-        queried = sum(mb.block_manager.num_prefix_queried_tokens for mb in self.micro)
-        hits = sum(mb.block_manager.num_prefix_hit_tokens for mb in self.micro)
-        return EngineStats(
-            sum(p.num_running for p in parts),
-            sum(p.num_waiting for p in parts),
-            sum(p.num_swapped for p in parts),
-            (blocks - free) / blocks,
-            free,
-            blocks,
-            sum(p.num_preemptions for p in parts),
-            hits / max(1, queried),
-            parts[0].num_prompt_tokens,
-            parts[0].num_generated_tokens,
-            parts[0].generation_tokens_per_s,
+        one = super().stats()  # the engine-wide token counts and rate
+        bms, schs = [mb.block_manager for mb in self.micro], [mb.scheduler for mb in self.micro]
+        blocks, free = sum(bm.gpu.num_blocks for bm in bms), sum(bm.num_free_blocks for bm in bms)
+        return dataclasses.replace(
+            one,
+            num_running=sum(len(s.running) for s in schs),
+            num_waiting=sum(len(s.waiting) for s in schs),
+            num_swapped=sum(len(s.swapped) for s in schs),
+            kv_usage=(blocks - free) / blocks,
+            num_free_blocks=free,
+            num_blocks=blocks,
+            num_preemptions=sum(s.num_preemptions for s in schs),
+            prefix_cache_hit_rate=sum(bm.num_prefix_hit_tokens for bm in bms)
+            / max(1, sum(bm.num_prefix_queried_tokens for bm in bms)),
         )
 
     def kv_slot_usage(self) -> tuple[int, int]:
-        held = filled = 0
+        """(slots in device blocks held by sequences, slots holding a computed token), over every micro-batch."""
+        bs, held, filled = self.config.block_size, 0, 0
         for micro in self.micro:
-            self._use(micro)
-            h, f = super().kv_slot_usage()
-            held, filled = held + h, filled + f
+            full: dict[int, int] = {}
+            for group in micro.scheduler.running:
+                for s in group.seqs_with(SequenceStatus.RUNNING):
+                    for i, b in enumerate(micro.block_manager.block_tables.get(s.seq_id, [])):
+                        full[b] = max(full.get(b, 0), min(bs, max(0, s.num_computed_tokens - i * bs)))
+            held, filled = held + micro.block_manager.num_used_blocks * bs, filled + sum(full.values())
         return held, filled
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
