@@ -96,6 +96,9 @@ def test_greedy_equals_one_device_and_hf_with_chunks_prefix_cache_and_preemption
     assert sum(m.scheduler.num_preemptions for m in micro) > sum(m.scheduler.num_swap_outs for m in micro)
     assert sum(m.block_manager.num_prefix_hit_tokens for m in micro) > 0
     assert pp.engine.executor.most_in_flight == 2  # both micro-batches in the pipeline at once
+    stats = pp.stats()  # summed over the micro-batches
+    assert (stats.num_blocks, stats.num_free_blocks, stats.num_running) == (40, 40, 0)
+    assert stats.num_preemptions == sum(m.scheduler.num_preemptions for m in micro) and stats.prefix_cache_hit_rate > 0
 
 
 @pytest.mark.slow  # the module's engine (2 processes)
