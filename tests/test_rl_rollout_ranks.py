@@ -75,13 +75,15 @@ def test_rollout_rank_run_equals_one_process(tmp_path):
 def _three_ranks_worker(rank: int, world: int, root: str) -> None:
     train_rl(small_config(f"{root}/dp2", steps=3, rollout_ranks=1))  # 2 data-parallel trainer ranks
     train_rl(small_config(f"{root}/r2", steps=3, rollout_ranks=2))  # 2 rollout ranks, a share of the groups each
+    train_rl(small_config(f"{root}/k1", steps=3, rollout_ranks=2, max_staleness=1))  # they run one update ahead
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_three_ranks_two_trainers_or_two_rollout_ranks(tmp_path):
     """In 3 processes: 2 data-parallel trainer ranks (their own group) take the same steps as one process (to
-    rounding: the update is a data-parallel one); 2 rollout ranks with one trainer equal it bit for bit."""
+    rounding: the update is a data-parallel one); 2 rollout ranks with one trainer equal it bit for bit; with
+    --max-staleness 1 they sample ahead on weights at most one update old, swapped in between engine steps."""
     train_rl(small_config(tmp_path / "one", steps=3))
     spawn(_three_ranks_worker, 3, args=(str(tmp_path),), timeout_s=300)
     one, dp2, r2 = (_steps(tmp_path / name) for name in ("one", "dp2", "r2"))
@@ -90,6 +92,10 @@ def test_three_ranks_two_trainers_or_two_rollout_ranks(tmp_path):
     assert [r["reward_mean"] for r in dp2] == [r["reward_mean"] for r in one]
     assert [r["loss"] for r in dp2] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-6)
     assert all("comm/dp/all_reduce/bytes" in r for r in dp2)  # the trainers' update ran over their own group
+    k1 = _steps(tmp_path / "k1")
+    assert [r["step"] for r in k1] == [1, 2, 3] and k1[0]["staleness/0"] == 1.0  # step 0: the initial weights
+    assert all(r["staleness_max"] <= 1 and r["dropped_samples"] == 0 and r["broadcast_mb"] > 0 for r in k1)
+    assert all(sum(v for k, v in r.items() if k.startswith("staleness/")) == pytest.approx(1.0) for r in k1)
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path):
