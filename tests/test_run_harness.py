@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 
 from spinwheel.models.hf import load_model
 from spinwheel.tasks.data import write_jsonl
@@ -55,13 +56,9 @@ def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
     RunDirLock(tmp_path).acquire().release()  # the kernel dropped the dead process's lock
 
 
-@pytest.mark.slow
-def test_out_dir_that_is_a_file_is_one_line(tmp_path):
+def test_out_dir_that_is_a_file_is_one_line(tmp_path, capfd):
     (tmp_path / "f").write_text("x")
-    proc = subprocess.run(
-        [*SPINWHEEL, "sft", "--model", "test", "--steps", "1", "--out-dir", str(tmp_path / "f"), "--no-progress"],
-        capture_output=True, text=True, env=ENV, timeout=120,
-    )  # fmt: skip
+    proc = run_cli(["sft", "--model", "test", "--steps", "1", "--out-dir", str(tmp_path / "f"), "--no-progress"], capfd)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"spinwheel sft: error: --out-dir {tmp_path / 'f'} is a file; choose a directory"
@@ -154,10 +151,15 @@ def fn(completions, answers):
 
 
 @pytest.mark.slow
-def test_a_reward_that_raises_saves_the_steps_before_it(tmp_path):
+def test_a_reward_that_raises_saves_the_steps_before_it(tmp_path, capfd, monkeypatch):
     (tmp_path / "flaky_reward.py").write_text(REWARD)
     cmd = _grpo(tmp_path, "flaky_reward:fn")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)
+    # In this process, from tmp_path as the command's working directory; sys.path and the module are put back.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "flaky_reward", raising=False)
+    proc = run_cli(cmd[len(SPINWHEEL) :], capfd)
+    sys.modules.pop("flaky_reward", None)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "the grader is down" in proc.stderr
     assert f"checkpoint saved at step 2 in {tmp_path / 'run' / 'checkpoint'}" in proc.stdout
