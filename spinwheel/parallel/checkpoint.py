@@ -101,13 +101,15 @@ def load_sharded(trainer, path: str | os.PathLike) -> None:
     trainer.num_steps = state["num_steps"]
 
 
-def full_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
-    """Every parameter of the original model, unsharded, by its original name (collective over all ranks)."""
+def full_state_dict(pm: ParallelModel, trained_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of the original model, unsharded, by its original name (collective over all ranks);
+    ``trained_only``: the parameters that train alone (a LoRA model's adapters: the frozen base is not gathered)."""
     dims, comm = pm.dims, pm.dims.comm
     if isinstance(pm.module, FullyShardedDataParallel):
         local = pm.module.full_state()
     else:
-        local = {n: p.detach().clone() for n, p in pm.stage.named_parameters(remove_duplicate=False)}
+        named = pm.stage.named_parameters(remove_duplicate=False)
+        local = {n: p.detach().clone() for n, p in named if p.requires_grad or not trained_only}
     for name, dim in pm.tp_shard_dims.items():
         if name in local:
             local[name] = torch.cat(comm.all_gather_list(local[name].contiguous(), dims.tp_axis), dim=dim)

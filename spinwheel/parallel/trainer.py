@@ -261,10 +261,10 @@ class ParallelTrainer:
 
         load_sharded(self, path)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, trained_only: bool = False) -> dict[str, torch.Tensor]:
         from spinwheel.parallel.checkpoint import full_state_dict
 
-        return full_state_dict(self.pm)
+        return full_state_dict(self.pm, trained_only)
 
     def save_hf(self, path: str) -> None:
         from spinwheel.parallel.checkpoint import save_hf

@@ -206,6 +206,9 @@ class ParallelLearner:
         )
         self.trainer.temperature = temperature
         self.shares_weights = wants and _holds_full_weights(self.trainer)
+        # LoRA: an engine copy holds the frozen base already, so syncs and saves gather the adapters alone (the
+        # same choice on every rank: the gathers are collective).
+        self.frozen_base = engine_copy != "none" and any(not p.requires_grad for p in model.parameters())
         self.engine_model = model if self.shares_weights else copy_before  # type: ignore[assignment]
 
     @property
@@ -223,9 +226,9 @@ class ParallelLearner:
         """Gather the full weights into the engine copy (collective: every rank calls it)."""
         if self.shares_weights:
             return
-        full = self.trainer.full_state_dict()
+        full = self.trainer.full_state_dict(self.frozen_base)
         if self.engine_model is not None:
-            self.engine_model.load_state_dict(full)
+            self.engine_model.load_state_dict(full, strict=not self.frozen_base)
 
     def comm_metrics(self) -> dict[str, int]:
         """This rank's cumulative collective counters per axis (``comm/tp/all_reduce/bytes``, ...); loops log the
@@ -248,12 +251,12 @@ class ParallelLearner:
 
     def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None:
         """Write the checkpoint (collective): rank 0 the HF files and trainer_state.pt, every rank its shards."""
-        full = self.trainer.full_state_dict()
+        full = self.trainer.full_state_dict(self.frozen_base)
         if self.is_main:
             model = self.engine_model  # none kept (the RL loop's --engine-tp): one built for the HF files only
             model = model if model is not None else Transformer(self.trainer.model_config)
             if not self.shares_weights:
-                model.load_state_dict(full)
+                model.load_state_dict(full, strict=not self.frozen_base)
             save_checkpoint(ckpt_dir, model, tokenizer, state, extra=self._save_shards)
         else:
             self._save_shards(None)
