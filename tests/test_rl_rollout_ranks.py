@@ -114,7 +114,7 @@ def test_episodes_cross_ranks_unchanged():
                 done=True, end_reason="done", info={"x": 1.5}, drift=True, versions=[3, 4]),
         Episode(1, 0, 9, failed=True, error="reset failed: é", end_reason="failed"),
     ]  # fmt: skip
-    times = {"generate": 1.25, "score": 0.5, "wait_weights": 0.0, "weight_swaps": 2.0}
+    times = {"generate": 1.25, "score": 0.5, "wait_weights": 0.0, "weight_swaps": 2.0, "kv_recomputed": 1.0}
     back, got_times = unpack_episodes(*pack_episodes(episodes, times))
     assert back == episodes and got_times == times
 

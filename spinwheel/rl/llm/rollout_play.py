@@ -111,7 +111,7 @@ def serve_rollouts(config: RLConfig, place: Placement) -> dict[str, Any]:
     llm = _engine(config, model, tokenizer, context)
     llm.update_weights(dict(zip(receiver.names, receiver.receive(first))))
     receiver.box = box = Received(first)
-    engine = VersionedEngine(llm.engine, box, first)
+    engine = VersionedEngine(llm.engine, box, first, config.kv_on_update)  # --kv-on-update: keep or recompute KV
     receiver.thread.start()
     played, failure = 0, None
     with StopOnSignal(False):  # Ctrl-C / SIGTERM: the trainer stops the run after its step and tells this rank
@@ -175,7 +175,7 @@ def _play_steps(config: RLConfig, place: Placement, engine: VersionedEngine, mak
         engine.forget()
         played, score = time.perf_counter() - ready, figures.get("batch_step_s", 0.0)
         times = {"generate": played - score, "score": score, "wait_weights": ready - start,
-                 "weight_swaps": engine.num_swaps}  # fmt: skip
+                 "weight_swaps": engine.num_swaps, "kv_recomputed": engine.num_recomputed}  # fmt: skip
         pending.append(send_message(EPISODES, step, pack_episodes(episodes, times), 0, place.episodes, place.device))
         if len(pending) > k + 1:
             _wait_sent([pending.pop(0)], place, step)

@@ -29,7 +29,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -115,6 +114,8 @@ class Placement:
             raise ValueError(f"--dp {p.dp} / --hsdp {p.hsdp} must fit the {trainers} ranks --rollout-ranks {r} leaves")
         if config.lora_rank:
             raise ValueError("--rollout-ranks broadcasts full weights: drop --lora-rank (LoRA runs in one process)")
+        if config.rollout_engine != "thread":
+            raise ValueError("--rollout-ranks gives the engine ranks of its own: drop --rollout-engine process")
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         place = cls(rank, world, r, p.timeout_s, device)
@@ -196,7 +197,7 @@ class RemoteRollouts:
     def __init__(self, place: Placement, model: torch.nn.Module, first: int, end: int, sync_eval, context: int) -> None:
         self.place, self.sync_eval, self.context = place, sync_eval, context
         self.main = place.rank == 0
-        self.engine = SimpleNamespace(num_swaps=0)  # the rollout ranks' swaps (staleness figures)
+        self.counts = {"weight_swaps": 0.0, "kv_recomputed": 0.0}  # the rollout ranks' engines' so far
         self.broadcast: dict[str, float] = {}  # the last weight broadcast's seconds and MiB
         self.lost: LinkError | None = None  # a broadcast after an update that failed: the next take() raises it
         self.sync_eval()
@@ -232,14 +233,14 @@ class RemoteRollouts:
         assert outcome is not None
         if outcome[0] == "error":
             raise outcome[1]
-        rollout, self.engine.num_swaps = outcome[1]
+        rollout, self.counts = outcome[1]
         rollout.times["wait_rollout"] = time.perf_counter() - start
         return rollout
 
     def _receive(self, step: int) -> tuple[Rollout, float]:
-        """Trainer rank 0: (the step's rollout, the rollout ranks' weight swaps so far)."""
+        """Trainer rank 0: (the step's rollout, the rollout ranks' engine counts so far)."""
         episodes, times = [], {"generate": 0.0, "score": 0.0, "wait_weights": 0.0}
-        swaps = 0.0
+        counts = dict.fromkeys(self.counts, 0.0)
         for src in self.place.rollout_global_ranks:
             what = f"rollout rank {src} sent no episodes for step {step}"
             kind, got, parts = recv_message(src, self.place.episodes, self.place.device, self.place.timeout_s, what)
@@ -249,17 +250,18 @@ class RemoteRollouts:
                 raise RuntimeError(f"rollout rank {src} sent step {got} (kind {kind}) for step {step} (a bug)")
             mine, their_times = unpack_episodes(*parts)
             episodes += mine
-            swaps += their_times.pop("weight_swaps")
+            for k in counts:
+                counts[k] += their_times.pop(k)
             for k, v in their_times.items():  # the slowest rollout rank's
                 times[k] = max(times[k], v)
         failed = [e for e in episodes if e.failed]
         if 2 * len(failed) > len(episodes):
             raise StepFailed(EnvError(f"{len(failed)} of {len(episodes)} episodes failed: {failed[0].error}"))
-        return Rollout(step, episodes, times), swaps
+        return Rollout(step, episodes, times), counts
 
     def figures(self) -> dict[str, float]:
-        """The rollout ranks' weight swaps so far (with ``--max-staleness``: beside the staleness figures)."""
-        return {"weight_swaps": float(self.engine.num_swaps)}
+        """The rollout ranks' weight swaps and KV recomputations so far (beside the staleness figures)."""
+        return dict(self.counts)
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         """Every trainer rank: the engine copies take the new weights (``model``: trainer rank 0's); then trainer

@@ -25,7 +25,8 @@ from spinwheel.rl.llm.episode_tokens import Episode
 BUCKET_MB = 16.0  # bytes of one broadcast buffer of weights, in MiB
 EPISODES, FAILED = 1, 2  # kinds of an episodes message: a step's batch, or the error that failed the step
 _COUNTS = 12  # integers per episode before the token lists
-_TIMES = ("generate", "score", "wait_weights", "weight_swaps")  # the floats a batch message starts with
+# The floats a batch message starts with: the step's times, then the engine's counts so far.
+_TIMES = ("generate", "score", "wait_weights", "weight_swaps", "kv_recomputed")
 
 
 class LinkError(TimeoutError):
