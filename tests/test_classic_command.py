@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 import spinwheel
 from spinwheel.cli import main
@@ -146,10 +147,11 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_one_update_and_saves(tmp_path
 
 
 @pytest.mark.slow
-def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp_path):
+def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp_path, capfd):
     out = tmp_path / "run"
-    proc = run(
-        classic(
+    proc = run_cli(
+        [
+            "classic",
             "--steps",
             "1500",
             "--num-envs",
@@ -161,7 +163,8 @@ def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp
             "--no-progress",
             "--out-dir",
             str(out),
-        )
+        ],
+        capfd,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     note, evaluation = proc.stdout.strip().splitlines()
@@ -172,15 +175,14 @@ def test_rounded_steps_are_announced_and_eval_reproduces_the_reported_return(tmp
     assert read_metrics(out)[-2]["env_steps"] == 1024
     reported = evaluation.removeprefix("evaluation: return ")
     assert re.fullmatch(r"\d+\.\d ± \d+\.\d", reported), evaluation
-    proc = run(classic("--eval", str(out / "policy.pt"), "--eval-episodes", "3"))
+    proc = run_cli(["classic", "--eval", str(out / "policy.pt"), "--eval-episodes", "3"], capfd)
     assert proc.returncode == 0, proc.stderr[-2000:]
     policy_pt = out / "policy.pt"
     assert proc.stdout.strip() == f"evaluation of {policy_pt} (ppo, CartPole-v1): return {reported} over 3 episodes"
 
 
-@pytest.mark.slow
-def test_unknown_environment_is_one_line_naming_the_fix():
-    proc = run(classic("--env", "CartPol-v1"))
+def test_unknown_environment_is_one_line_naming_the_fix(capfd):
+    proc = run_cli(["classic", "--env", "CartPol-v1"], capfd)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
         "spinwheel classic: error: unknown gymnasium environment 'CartPol-v1': Environment "
