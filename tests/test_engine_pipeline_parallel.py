@@ -138,6 +138,18 @@ def test_abort_of_a_request_in_flight_waits_for_its_iteration(engines):
 
 
 @pytest.mark.slow  # the module's engine (2 processes)
+def test_warm_up_leaves_every_micro_batch_as_it_was(engines):
+    from spinwheel.engine.warmup import warm_up
+
+    engine = engines[0].engine
+    counters = lambda: [(m.scheduler.num_preemptions, m.block_manager.num_prefix_queried_tokens) for m in engine.micro]  # noqa: E731
+    before = counters()
+    warm_up(engine)
+    assert counters() == before
+    assert all(not m.block_manager.gpu._by_hash for m in engine.micro)  # both prefix caches dropped
+
+
+@pytest.mark.slow  # the module's engine (2 processes)
 def test_each_stage_holds_half_the_layers_and_of_every_block(engines):
     pp, one = engines
     memory = pp.engine.executor.memory

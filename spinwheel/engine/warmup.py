@@ -40,11 +40,11 @@ def warm_up(engine: LLMEngine) -> float:
     """Run the warm-up step on an idle engine; returns the seconds it took."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up needs an idle engine")
-    counters = [
-        (engine, ("num_prompt_tokens", "num_generated_tokens")),
-        (engine.block_manager, ("num_prefix_queried_tokens", "num_prefix_hit_tokens")),
-        (engine.scheduler, ("num_preemptions", "num_swap_outs", "num_chunked_prefills")),
-    ]
+    parts = getattr(engine, "micro", None) or [engine]  # a pipeline-parallel engine's micro-batches (pp_engine)
+    counters = [(engine, ("num_prompt_tokens", "num_generated_tokens"))]
+    for part in parts:
+        counters.append((part.block_manager, ("num_prefix_queried_tokens", "num_prefix_hit_tokens")))
+        counters.append((part.scheduler, ("num_preemptions", "num_swap_outs", "num_chunked_prefills")))
     saved = [(obj, name, getattr(obj, name)) for obj, names in counters for name in names]
     t0 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -55,7 +55,8 @@ def warm_up(engine: LLMEngine) -> float:
     seconds = time.perf_counter() - t0
     for obj, name, value in saved:
         setattr(obj, name, value)
-    engine.block_manager.reset_prefix_cache()
+    for part in parts:
+        part.block_manager.reset_prefix_cache()
     engine._recent.clear()  # the token rate of the warm-up is not the server's
     engine.sampler._generators.clear()  # unseeded requests draw from the seed's start, as without a warm-up
     engine.last_progress_time = time.monotonic()
