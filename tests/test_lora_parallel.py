@@ -11,7 +11,8 @@ model's.
 
 The commands (in-process on 2 spawned ranks): ``sft --lora-rank`` under tp 2, stopped and resumed from its sharded
 state, and GRPO with a KL penalty (reference: the adapters off) under ZeRO-2 give the single-process run's losses and
-write its PEFT adapter. ZeRO-3 / FSDP / HSDP are refused in one line.
+write its PEFT adapter; under tp 2 GRPO does too, and its per-step sync to the engine copy gathers the adapters'
+split factors alone (the copy holds the frozen base). ZeRO-3 / FSDP / HSDP are refused in one line.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ def _worker(rank: int, world_size: int, refs: dict, root: str) -> dict:
     train_sft(sft_config(f"{root}/sft-tp2", parallel=tp2, stop_after=2))
     train_sft(sft_config(f"{root}/sft-tp2", parallel=tp2))  # resumed from step 2's sharded state
     train_rl(small_config(f"{root}/grpo-zero2", parallel=ParallelConfig(zero=2), **RL_LORA))
+    train_rl(small_config(f"{root}/grpo-tp2", parallel=tp2, **RL_LORA))  # an engine copy, synced every step
     return results
 
 
@@ -214,7 +216,11 @@ def test_lora_under_layouts_trains_like_one_process(tmp_path, digit_reward):
     train_rl(small_config(tmp_path / "grpo-one", **RL_LORA))
     results = spawn(_worker, 2, args=(refs, str(tmp_path)), timeout_s=300)
     check_trainer_layouts(results, refs)
-    for one, two, key in [("sft-one", "sft-tp2", "loss"), ("grpo-one", "grpo-zero2", "loss")]:
+    for one, two, key in [
+        ("sft-one", "sft-tp2", "loss"),
+        ("grpo-one", "grpo-zero2", "loss"),
+        ("grpo-one", "grpo-tp2", "loss"),
+    ]:
         ref = {r["step"]: r[key] for r in read_metrics(tmp_path / one / "metrics.jsonl") if key in r}
         got = {r["step"]: r[key] for r in read_metrics(tmp_path / two / "metrics.jsonl") if key in r}
         assert len(ref) == (4 if one == "sft-one" else 3) and got == pytest.approx(ref, rel=RTOL, abs=1e-7), two
@@ -222,5 +228,10 @@ def test_lora_under_layouts_trains_like_one_process(tmp_path, digit_reward):
         have = load_file(tmp_path / two / "checkpoint" / ADAPTER_WEIGHTS)
         assert have.keys() == want.keys() and len(want) > 0
         assert max(rel_err(have[k], v) for k, v in want.items()) <= RTOL, two
+    # Under tp 2 the engine copy holds the frozen base: each step's sync gathers the split adapter factors alone.
+    adapter_bytes = sum(v.numel() * 4 for v in want.values())
+    steps = [r for r in read_metrics(tmp_path / "grpo-tp2" / "metrics.jsonl") if "loss" in r]
+    gathered = [r["comm/tp/all_gather/bytes"] for r in steps]
+    assert len(gathered) == 3 and all(0 < b < adapter_bytes for b in gathered), (gathered, adapter_bytes)
     shards = torch.load(tmp_path / "sft-tp2" / "checkpoint" / "sharded" / "rank00000.pt", weights_only=False)
     assert shards["model"] and all("lora_" in k for k in shards["model"])  # the base is not in the shards
