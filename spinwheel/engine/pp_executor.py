@@ -89,7 +89,12 @@ class PPExecutor:
                     stage, (stage, pp, init, backend, timeout_s), (model.config, box, runner_config, max_model_len)
                 )
                 box.clear()
-        dist.init_process_group(backend, init_method=init, rank=0, world_size=pp, timeout=self.timeout)
+        try:
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=pp, timeout=self.timeout)
+        except Exception as e:  # a stage that never joined (it died, or could not start in time)
+            self.failure = self._dead() or f"a pipeline stage did not join within {timeout_s:.0f}s ({type(e).__name__})"
+            self.close()
+            raise PipelineParallelError(self.failure) from e
         first = StageModel(model.config, pp, 0, stage_state(state, model.config, pp, 0))
         del state
         self.runner = StageRunner(first, runner_config, max_model_len)
