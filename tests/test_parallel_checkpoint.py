@@ -1,12 +1,12 @@
-"""Sharded checkpoints: save after 5 steps, resume in a fresh trainer, train 5 more — the losses and parameters equal
-10 uninterrupted single-process steps; the consolidated HF checkpoint loads into a plain model with the reference
-weights."""
+"""Sharded checkpoints: save after half of the fidelity oracle's STEPS, resume in a fresh trainer, train the rest —
+the losses and parameters equal STEPS uninterrupted single-process steps; the consolidated HF checkpoint loads into
+a plain model with the reference weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import RTOL, batches, make_model, optimizer_factory, rel_err
+from helpers import RTOL, STEPS, batches, make_model, optimizer_factory, rel_err
 
 from spinwheel.models.hf import load_model
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
@@ -27,13 +27,13 @@ def resume_and_consolidate(rank: int, world_size: int, root: str, refs: dict) ->
         tied = kwargs.pop("tied", False)
         config = ParallelConfig(**kwargs)
         first = ParallelTrainer(make_model(tied), optimizer_factory, config)
-        losses = [first.step(*b) for b in data[:5]]
+        losses = [first.step(*b) for b in data[: STEPS // 2]]
         first.save(f"{root}/{name}/sharded")
         second = ParallelTrainer(
             make_model(tied).init_weights(seed=99), optimizer_factory, config
         )  # different weights: everything must come from the checkpoint
         second.load(f"{root}/{name}/sharded")
-        losses += [second.step(*b) for b in data[5:]]
+        losses += [second.step(*b) for b in data[STEPS // 2 :]]
         second.save_hf(f"{root}/{name}/hf")
         ref_losses, ref_params, _ = refs[tied]
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -53,7 +53,7 @@ def test_sharded_resume_and_hf_consolidation(tmp_path, fidelity_refs):
     for name, _ in LAYOUTS:
         for rank, res in enumerate(results):
             loss_err, param_err, steps = res[name]
-            assert steps == 10
+            assert steps == STEPS
             assert loss_err <= RTOL and param_err <= RTOL, (name, rank, loss_err, param_err)
     assert (tmp_path / "dp2xtp2-fsdp" / "sharded" / "layout.json").is_file()
 

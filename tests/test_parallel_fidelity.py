@@ -1,5 +1,5 @@
 """Every parallel layout trains exactly like one process: per-step losses and final parameters equal (fp32, relative
-1e-5) to single-process training of the same model, data and global batch over 10 steps.
+1e-5) to single-process training of the same model, data and global batch over ``STEPS`` (6) steps.
 
 Layouts marked ``clip`` train as the SFT trainer does: a warmup + cosine learning rate set with ``trainer.set_lr``,
 AdamW's decoupled weight decay on weight matrices only (``decays``) and global gradient-norm clipping with a max norm
