@@ -3,6 +3,11 @@ describes the schedule): the engine, the receiver thread that takes each weight 
 :class:`~spinwheel.rl.llm.async_rollouts.WeightBox`, and the loop that plays the rank's share of each step and sends
 it to trainer rank 0. :func:`step_seeds` is the environments' seeds of a step, the same on every rank and in one
 process (:meth:`~spinwheel.rl.llm.loop.RLJob.play` uses it too).
+
+A rollout rank waits for the trainer at most twice ``--timeout-s``: the next weights come after the slowest rollout
+rank's batch (which the trainer itself waits for at most ``--timeout-s``) and the trainer's update (and, every
+``--eval-every`` steps, its evaluation), so a rank that finished first never gives up on a trainer that is only
+waiting for another rank; a trainer that hangs is still noticed.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class WeightReceiver:
     def header(self) -> list[int]:
         h = torch.zeros(5, dtype=torch.long, device=self.place.device)
         work = dist.broadcast(h, src=0, group=self.place.link, async_op=True)
-        wait(work, self.place.timeout_s, "trainer rank 0 sent no weights")
+        wait(work, self.place.timeout_s, "trainer rank 0 sent no weights", times=2)  # module docstring
         return h.tolist()
 
     def receive(self, version: int) -> list[torch.Tensor]:
@@ -186,4 +191,4 @@ def _play_steps(config: RLConfig, place: Placement, engine: VersionedEngine, mak
 def _wait_sent(messages: list, place: Placement, step: int) -> None:
     for works, *_ in messages:
         for work in works:
-            wait(work, place.timeout_s, f"trainer rank 0 took no episodes of step {step}")
+            wait(work, place.timeout_s, f"trainer rank 0 took no episodes of step {step}", times=2)

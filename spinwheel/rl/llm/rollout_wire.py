@@ -33,16 +33,18 @@ class LinkError(TimeoutError):
     """A peer rank that did not answer within the timeout, or is gone (a one-line message naming it)."""
 
 
-def wait(work, timeout_s: float, what: str) -> None:
-    """Wait for ``work`` at most ``timeout_s``; a timeout or a broken connection raises :class:`LinkError`."""
+def wait(work, timeout_s: float, what: str, times: int = 1) -> None:
+    """Wait for ``work`` at most ``times`` × ``timeout_s`` (``--timeout-s``); a timeout or a broken connection raises
+    :class:`LinkError`."""
+    limit = f"--timeout-s {timeout_s:g} s" if times == 1 else f"{times} × --timeout-s {timeout_s:g} s"
     try:
-        ok = work.wait(datetime.timedelta(seconds=timeout_s))
+        ok = work.wait(datetime.timedelta(seconds=times * timeout_s))
     except RuntimeError as e:  # gloo: "Timed out waiting ...", or the peer closed its connection
         late = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-        why = f"nothing within --timeout-s {timeout_s:g} s (hung or too slow)" if late else "its connection broke"
+        why = f"nothing within {limit} (hung or too slow)" if late else "its connection broke"
         raise LinkError(f"{what}: {why} ({str(e).splitlines()[0][:160]})") from None
     if ok is False:
-        raise LinkError(f"{what}: nothing within --timeout-s {timeout_s:g} s (hung or too slow)")
+        raise LinkError(f"{what}: nothing within {limit} (hung or too slow)")
 
 
 # ---- episodes ----------------------------------------------------------------------------------------------------
