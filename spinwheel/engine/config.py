@@ -67,8 +67,9 @@ class EngineConfig:
     )
     pipeline_parallel_size: int = option(
         1,
-        help="pipeline-parallel degree: the model's layers in P contiguous stages on P processes (gloo on CPU, NCCL "
-        "on GPUs 0..P-1), P micro-batches in flight (Orca's inter-layer parallelism); P must divide the layers",
+        help="pipeline-parallel degree: the model's layers in P contiguous stages on P processes (gloo; on GPUs "
+        "0..P-1 through host memory), P micro-batches in flight (Orca's inter-layer parallelism); P must divide the "
+        "layers",
     )
     seed: int = option(0, help="seed of the engine's generator for requests without their own seed")
     dtype: str | None = option(None, help="model dtype when loading from a path (default: the checkpoint's)")

@@ -1,15 +1,15 @@
 """The driver's side of a pipeline-parallel engine (``EngineConfig.pipeline_parallel_size = P``), and the stages'.
 
-The process that owns the engine is the driver: rank 0 of a P-process ``torch.distributed`` world (gloo on CPU,
-NCCL when the model is on a GPU, rank r on GPU r) and stage 0 (:mod:`~spinwheel.engine.pp_stage`). It spawns the
-P − 1 other stages itself, as :class:`~spinwheel.engine.tp_executor.TPExecutor` spawns its workers (the fork
-server; each stage gets only its own tensors, through shared memory). Per engine iteration
-(:meth:`PPExecutor.launch`) the driver pipes the block moves and the flat batch it prepared to every stage
-(:class:`~spinwheel.engine.pp_stage.PPStep`), runs its own layers and sends the hidden states on (``isend``: it
-does not wait); stage s receives from s − 1, runs its layers and sends to s + 1; the last stage sends the picked
-rows' logits back, which :meth:`PPExecutor.collect` receives. Every stage handles the iterations in the order they
-were launched, so several may be in flight at once: :class:`~spinwheel.engine.pp_engine.PPEngine` keeps P of them
-(one per micro-batch) so the stages stay busy.
+The process that owns the engine is the driver: rank 0 of a P-process ``torch.distributed`` world (gloo; with the
+model on a GPU, stage r runs on GPU r and the transfers go through host memory; not run on a GPU yet) and stage 0
+(:mod:`~spinwheel.engine.pp_stage`). It spawns the P − 1 other stages itself, as
+:class:`~spinwheel.engine.tp_executor.TPExecutor` spawns its workers (the fork server; each stage gets only its own
+tensors, through shared memory). Per engine iteration (:meth:`PPExecutor.launch`) the driver pipes the block moves
+and the flat batch it prepared to every stage (:class:`~spinwheel.engine.pp_stage.PPStep`), runs its own layers and
+sends the hidden states on (``isend``: it does not wait); stage s receives from s − 1, runs its layers and sends to
+s + 1; the last stage sends the picked rows' logits back, which :meth:`PPExecutor.collect` receives. Every stage
+handles the iterations in the order they were launched, so several may be in flight at once:
+:class:`~spinwheel.engine.pp_engine.PPEngine` keeps P of them (one per micro-batch) so the stages stay busy.
 
 Faults: every receive waits at most ``timeout_s``; a stage that exited is noticed before each launch (and when a
 transfer fails), and the engine raises :class:`PipelineParallelError` naming it (a
@@ -76,7 +76,9 @@ class PPExecutor:
         self.pp, self.failure, self.timeout = pp, None, datetime.timedelta(seconds=timeout_s)
         self.forwards = 0  # iterations launched that run the model
         self.most_in_flight = 0  # the most iterations ever in flight at once
-        backend = "nccl" if model.device.type == "cuda" else "gloo"
+        # gloo even on GPUs: its sends progress in the background, so iterations in flight in both directions
+        # between two stages cannot deadlock the way NCCL's in-order point-to-point operations can
+        backend, device_type = "gloo", model.device.type
         runner_config = stage_pool_config(config, model.config, model.dtype, max_model_len)
         state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
         state["rotary.inv_freq"] = model.rotary.inv_freq.detach()  # a buffer state_dict leaves out
@@ -86,7 +88,7 @@ class PPExecutor:
             for stage in range(1, pp):
                 box = [stage_state(state, model.config, pp, stage)]  # emptied once the stage has its copy
                 self._start(
-                    stage, (stage, pp, init, backend, timeout_s), (model.config, box, runner_config, max_model_len)
+                    stage, (stage, pp, init, device_type, timeout_s), (model.config, box, runner_config, max_model_len)
                 )
                 box.clear()
         try:
@@ -158,7 +160,7 @@ class PPExecutor:
         self.runner.move(step)
         if inputs is None:
             return False
-        hidden = self.runner.stage_forward(inputs).contiguous()
+        hidden = self.runner.stage_forward(inputs).contiguous().cpu()  # a no-op on CPU
         try:
             self._sends.append((Handle(dist.isend(hidden, 1, tag=_HIDDEN), self.timeout), hidden))
         except (RuntimeError, TimeoutError) as e:
@@ -171,7 +173,7 @@ class PPExecutor:
     def collect(self) -> StepLogits:
         """The logits of the oldest iteration in flight, from the last stage."""
         inputs = self._pending.popleft()
-        logits = torch.empty(len(inputs.picks), self.vocab, dtype=torch.float32, device=self.runner.model.device)
+        logits = torch.empty(len(inputs.picks), self.vocab, dtype=torch.float32)
         try:
             if logits.shape[0]:
                 Handle(dist.irecv(logits, self.pp - 1, tag=_LOGITS), self.timeout).wait()
@@ -179,7 +181,7 @@ class PPExecutor:
                 self._sends.popleft()[0].wait()
         except (RuntimeError, TimeoutError) as e:
             raise self.error(e) from e
-        return StepLogits(logits, inputs.sample_rows, inputs.prompt_rows)
+        return StepLogits(logits.to(self.runner.model.device), inputs.sample_rows, inputs.prompt_rows)
 
     def error(self, exc: BaseException) -> PipelineParallelError:
         """The error a failed transfer raises: the stage that is gone if any, else the transfer's own error."""
@@ -219,7 +221,7 @@ def stage_main(
     stage: int,
     pp: int,
     init_method: str,
-    backend: str,
+    device_type: str,
     timeout_s: float,
     conn,
     model_config,
@@ -230,13 +232,13 @@ def stage_main(
     """A stage process: join the group, build this stage's model (its own copy of its tensors) and runner, then
     run each iteration the driver sends until ``stop`` or until the driver is gone (its end of the pipe closed)."""
     device = torch.device("cpu")
-    if backend == "nccl":
+    if device_type == "cuda":
         torch.cuda.set_device(stage)
         device = torch.device("cuda", stage)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))
     torch.set_flush_denormal(engine_config.flush_denormal)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=stage, world_size=pp, timeout=timeout)
+    dist.init_process_group("gloo", init_method=init_method, rank=stage, world_size=pp, timeout=timeout)
     try:
         state = {k: v.to(device, copy=True) for k, v in box.pop().items()}
         runner = StageRunner(StageModel(model_config, pp, stage, state), engine_config, max_model_len)
@@ -263,15 +265,16 @@ def _run_stage(conn, runner: ModelRunner, stage: int, pp: int, timeout: datetime
             continue
         device = runner.model.device
         inputs = to_device(inputs, device) if device.type != "cpu" else inputs
-        hidden = torch.empty(inputs.input_ids.shape[0], width, dtype=runner.model.dtype, device=device)
+        hidden = torch.empty(inputs.input_ids.shape[0], width, dtype=runner.model.dtype)
         Handle(dist.irecv(hidden, stage - 1, tag=_HIDDEN), timeout).wait()
-        out = runner.stage_forward(inputs, hidden)  # type: ignore[attr-defined]
+        out = runner.stage_forward(inputs, hidden.to(device))  # type: ignore[attr-defined]
         if stage == pp - 1:
             out, dst, tag = runner.select_rows(out, inputs).logits.contiguous(), 0, _LOGITS
             if not out.shape[0]:
                 continue  # no row completes: the driver expects nothing
         else:
             out, dst, tag = out.contiguous(), stage + 1, _HIDDEN
+        out = out.cpu()  # a no-op on CPU
         sends.append((Handle(dist.isend(out, dst, tag=tag), timeout), out))
         while len(sends) > pp:
             sends.popleft()[0].wait()
