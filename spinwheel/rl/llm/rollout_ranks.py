@@ -223,21 +223,21 @@ class RemoteRollouts:
                     raise self.lost
                 outcome = ("ok", self._receive(step))
             except StepFailed as e:
+                outcome = ("error", e.cause)  # the cause alone crosses ranks (StepFailed does not pickle)
+            except LinkError as e:  # a rollout rank hung or is gone
                 outcome = ("error", e)
-            except LinkError as e:  # before any weight changed: the harness saves the steps before it
-                outcome = ("error", StepFailed(e))
         if self.place.trainers_distributed:
             box = [outcome]
             dist.broadcast_object_list(box, src=0, group=self.place.trainer_group)
             outcome = box[0]
         assert outcome is not None
-        if outcome[0] == "error":
-            raise outcome[1]
+        if outcome[0] == "error":  # before any weight changed: the harness saves the steps before it
+            raise StepFailed(outcome[1])
         rollout, self.counts = outcome[1]
         rollout.times["wait_rollout"] = time.perf_counter() - start
         return rollout
 
-    def _receive(self, step: int) -> tuple[Rollout, float]:
+    def _receive(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """Trainer rank 0: (the step's rollout, the rollout ranks' engine counts so far)."""
         episodes, times = [], {"generate": 0.0, "score": 0.0, "wait_weights": 0.0}
         counts = dict.fromkeys(self.counts, 0.0)
