@@ -40,7 +40,8 @@ def _placement_worker(rank: int, world: int, root: str) -> dict:
         train_rl(small_config(f"{root}/bad", steps=1, rollout_ranks=2))
     except ValueError as e:
         out["too_many"] = str(e)
-    out["run"] = train_rl(small_config(f"{root}/r1", steps=3, rollout_ranks=1))
+    out["first"] = train_rl(small_config(f"{root}/r1", steps=3, rollout_ranks=1, stop_after=2))
+    out["run"] = train_rl(small_config(f"{root}/r1", steps=3, rollout_ranks=1))  # resumes at step 2
     if rank == 1:  # then the rollout rank hangs in its first step, until the trainer gives up
         rollout_play.play_share = _hang
     start = time.perf_counter()
@@ -54,14 +55,15 @@ def _placement_worker(rank: int, world: int, root: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_rollout_rank_run_equals_one_process(tmp_path):
-    """`--rollout-ranks 1` in 2 processes: the same episodes, rewards, losses and final weights as one process (fp32,
-    bit for bit), the weights broadcast after each update and logged; R >= N is refused on every rank; a rollout
-    rank that then hangs stops the trainer with one line within --timeout-s."""
+    """`--rollout-ranks 1` in 2 processes, stopped after 2 steps and rerun: the same episodes, rewards, losses and
+    final weights as one process (fp32, bit for bit), the weights broadcast after each update and logged; R >= N is
+    refused on every rank; a rollout rank that then hangs stops the trainer with one line within --timeout-s."""
     train_rl(small_config(tmp_path / "one", steps=3))
     results = spawn(_placement_worker, 2, args=(str(tmp_path),), timeout_s=300)
     for r in results:
         assert "leaves no trainer rank in a world of 2 processes" in r["too_many"]
-    assert results[1]["run"]["rollout_rank"] == 1 and results[1]["run"]["steps"] == 3
+    assert [r["first"]["steps"] for r in results[1:]] == [2] and results[1]["run"]["steps"] == 1
+    assert results[0]["run"]["start_step"] == 2  # the rerun resumed; its last step equals the one-process run's
     one, two = _steps(tmp_path / "one"), _steps(tmp_path / "r1")
     assert len(one) == 3 and len(set(r["reward_mean"] for r in one)) > 1
     for key in ("reward_mean", "response_len", "loss", "kl_ref", "grad_norm", "mismatch_max"):
