@@ -17,9 +17,10 @@ every episode is the same function of (seed, step, environment index, sample ind
 The run's start (its first step, its end and the weights, from the checkpoint on resume) reaches the rollout ranks
 with the first broadcast; its end with a last header that says how it ended (0 done, 128 + N interrupted by signal
 N, 1 failed), so every rank leaves together. Every wait across ranks is bounded by ``--timeout-s``: a rollout rank
-that hangs or dies stops the trainer with a one-line :class:`~spinwheel.rl.llm.rollout_wire.LinkError`, and a
-trainer that does the same stops the rollout ranks. Rollout ranks ignore Ctrl-C / SIGTERM themselves: the trainer
-stops the run after its step, saves, and tells them.
+that hangs or dies fails the trainer's step (the steps before are saved; rerunning resumes) with a one-line
+:class:`~spinwheel.rl.llm.rollout_wire.LinkError`, and a trainer that does the same stops the rollout ranks (they
+wait at most twice as long: :mod:`~spinwheel.rl.llm.rollout_play`). Rollout ranks ignore Ctrl-C / SIGTERM
+themselves: the trainer stops the run after its step, saves, and tells them.
 """
 
 from __future__ import annotations
