@@ -35,8 +35,9 @@ def sync_keys(model: nn.Module) -> list[str]:
 def sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of the :func:`sync_keys` tensors of ``model``: what one update sends to an engine copy (the
     trainer goes on updating its own tensors in place)."""
-    state = model.state_dict()
-    return {k: state[k].detach().clone() for k in sync_keys(model)}
+    if lora_layers(model):  # the parameters that train, without building the whole state dict
+        return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
