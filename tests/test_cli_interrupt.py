@@ -1,12 +1,14 @@
 """Ctrl-C as a user sends it, to the real commands in subprocesses: one process, and under torchrun (the signal goes
 to the launcher, which forwards it to each worker in turn). Every rank stops after the same step, writes the
 (sharded) checkpoint of that step and exits 130 with one line; the checkpoint resumes to the losses of an
-uninterrupted run. ``spinwheel launch`` passes the workers' status through (130, or 2 for a bad layout, printed
-once) where torchrun's own launcher adds a traceback."""
+uninterrupted run; under ``spinwheel launch`` every training command (sft, grpo, dpo, rm, classic) stops alike.
+``spinwheel launch`` passes the workers' status through (130, or 2 for a bad layout, printed once) where torchrun's
+own launcher adds a traceback."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,6 +20,8 @@ import torch
 from helpers import run_cli
 
 from spinwheel.tasks.arithmetic import ArithmeticConfig
+from spinwheel.tasks.data import write_jsonl
+from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.metrics import read_metrics
 from spinwheel.train.sft import train_sft
 from spinwheel.train.sft_config import SFTConfig
@@ -87,18 +91,21 @@ def logged_steps(out: Path) -> list[int]:
     return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
-def interrupt(cmd: list[str], out: Path, after_steps: int = 3, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``cmd``, send SIGINT to it once ``after_steps`` steps are logged, and return its outcome."""
+def interrupt(
+    cmd: list[str], out: Path, after_steps: int = 3, timeout: float = 300, marker: str = '"loss"'
+) -> subprocess.CompletedProcess:
+    """Run ``cmd``, send SIGINT to it once ``after_steps`` lines holding ``marker`` (steps; ``""``: any line) are
+    logged, and return its outcome."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + timeout
     metrics = out / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= after_steps:
+        if metrics.exists() and sum(marker in line for line in metrics.read_text().splitlines()) >= after_steps:
             break
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=180)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
@@ -159,21 +166,58 @@ def test_ctrl_c_in_one_process_saves_the_step_and_resumes_exactly(tmp_path, capf
     assert ours == reference_losses(tmp_path, step + 2)  # bit-identical across the interruption
 
 
+TINY_TASK = ["--task-num-digits", "1", "--task-num-train", "20", "--task-num-test", "4", "--no-progress"]
+COMMANDS = {
+    "sft": [*SFT, "--dp", "2"],
+    "grpo": [*GRPO, "--dp", "2"],
+    "dpo": ["--model", "test", "--batch-size", "2", "--eval-every", "0", "--data", "{pairs}", *TINY_TASK,
+            "--steps", "100000", "--save-every", "0"],
+    "rm": ["--model", "test", "--batch-size", "2", "--eval-every", "0", *TINY_TASK, "--steps", "100000",
+           "--save-every", "0"],
+    "classic": ["--env", "CartPole-v1", "--algo", "ppo", "--num-envs", "2", "--num-steps", "16", "--no-progress",
+                "--steps", "100000000"],
+}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ctrl_c_under_spinwheel_launch_every_rank_saves_the_same_step(tmp_path):
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_ctrl_c_under_spinwheel_launch_saves_and_exits_130(tmp_path, command):
+    """SIGINT to ``spinwheel launch --nproc-per-node 2``: every command's ranks stop after the same step, the
+    checkpoint (classic: ``policy.pt``) is written and the launcher exits 130 without a traceback. SFT and GRPO:
+    every rank's shard holds that step, the log holds every step before it, and SFT's checkpoint resumes (under
+    launch) to the losses of an uninterrupted one-process run."""
+    rng = random.Random(0)
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": f"{a + b}0"} for a, b in
+             ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(24))]  # fmt: skip
+    write_jsonl(tmp_path / "pairs.jsonl", pairs)
     out = tmp_path / "run"
-    cmd = [*LAUNCH, "sft", *SFT, "--dp", "2", "--out-dir", str(out)]
-    proc = interrupt(cmd, out)
+    args = [a.replace("{pairs}", str(tmp_path / "pairs.jsonl")) for a in COMMANDS[command]]
+    cmd = [*LAUNCH, command, *args, "--out-dir", str(out)]
+    if command in ("sft", "grpo"):
+        proc = interrupt(cmd, out, after_steps=3 if command == "sft" else 2)
+    else:
+        proc = interrupt(cmd, out, marker="")  # three lines of the log
     assert proc.returncode == 130, proc.stderr
-    assert "Traceback" not in proc.stderr and "SignalException" not in proc.stderr, proc.stderr
-    step = saved_step(out, world_size=2)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("interrupted:") == 1, proc.stdout
+    if command == "classic":
+        assert (out / "policy.pt").is_file()
+        return
+    step = load_trainer_state(out / "checkpoint")["step"]
+    assert step >= 1 and f"interrupted: checkpoint saved at step {step}" in proc.stdout
+    if command not in ("sft", "grpo"):
+        return
+    assert saved_step(out, world_size=2) == step
     assert_one_message(proc, step, out)
-    assert logged_steps(out) == list(range(1, step + 1))
-    resumed = subprocess.run(cmd + ["--stop-after", "2"], capture_output=True, text=True, env=ENV, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    ours = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-    assert ours == pytest.approx(reference_losses(tmp_path, step + 2), rel=1e-5)
+    logged = "loss" if command == "sft" else "reward_mean"
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if logged in r] == list(range(1, step + 1))
+    if command == "sft":
+        assert "SignalException" not in proc.stderr, proc.stderr
+        resumed = subprocess.run(cmd + ["--stop-after", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+        ours = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+        assert ours == pytest.approx(reference_losses(tmp_path, step + 2), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -185,18 +229,6 @@ def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
     step = saved_step(out, world_size=2)
     assert_one_message(proc, step, out)
     assert logged_steps(out) == list(range(1, step + 1))
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_ctrl_c_under_spinwheel_launch_grpo(tmp_path):
-    out = tmp_path / "run"
-    proc = interrupt([*LAUNCH, "grpo", *GRPO, "--dp", "2", "--out-dir", str(out)], out, after_steps=2)
-    assert proc.returncode == 130, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    step = saved_step(out, world_size=2)
-    assert_one_message(proc, step, out)
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r] == list(range(1, step + 1))
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
 """The run harness every training command runs on: one run per output directory (a lock, never stale), nothing
 broken ever saved (non-finite figures or parameters stop the run; the last good checkpoint stays the latest), a
-failing reward saves the steps before it, and Ctrl-C under ``spinwheel launch`` ends every command the same way."""
+failing reward saves the steps before it, and Ctrl-C stops a reward that hangs (Ctrl-C under ``spinwheel launch``
+for every command: test_cli_interrupt.py)."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -17,7 +17,6 @@ import torch
 from helpers import run_cli
 
 from spinwheel.models.hf import load_model
-from spinwheel.tasks.data import write_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.learners import LocalLearner, OptimConfig
 from spinwheel.train.run import NonFiniteError, Run
@@ -166,51 +165,8 @@ def test_a_reward_that_raises_saves_the_steps_before_it(tmp_path, capfd, monkeyp
     assert load_trainer_state(tmp_path / "run" / "checkpoint")["step"] == 2
 
 
-# ---- one interrupt behaviour for every command ----------------------------------------------------------------------
-
-COMMANDS = {
-    "sft": ["--model", "test", "--batch-size", "4", "--eval-every", "0", "--max-new-tokens", "3", *TINY_TASK],
-    "grpo": ["--model", "test", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "3",
-             "--eval-every", "0", "--eval-examples", "2", *TINY_TASK],
-    "dpo": ["--model", "test", "--batch-size", "2", "--eval-every", "0", "--data", "{pairs}", *TINY_TASK],
-    "rm": ["--model", "test", "--batch-size", "2", "--eval-every", "0", *TINY_TASK],
-    "classic": ["--env", "CartPole-v1", "--algo", "ppo", "--num-envs", "2", "--num-steps", "16", "--no-progress"],
-}  # fmt: skip
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("command", list(COMMANDS))
-def test_ctrl_c_under_spinwheel_launch_saves_and_exits_130(tmp_path, command):
-    """SIGINT to ``spinwheel launch --nproc-per-node 2``: every command's ranks stop after the same step, the
-    checkpoint (classic: ``policy.pt``) is written and the launcher exits 130 without a traceback."""
-    rng = random.Random(0)
-    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": f"{a + b}0"} for a, b in
-             ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(24))]  # fmt: skip
-    write_jsonl(tmp_path / "pairs.jsonl", pairs)
-    out = tmp_path / "run"
-    args = [a.replace("{pairs}", str(tmp_path / "pairs.jsonl")) for a in COMMANDS[command]]
-    steps = ["--steps", "100000000"] if command == "classic" else ["--steps", "100000", "--save-every", "0"]
-    cmd = [*SPINWHEEL, "launch", "--nproc-per-node", "2", command, *args, *steps, "--out-dir", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    deadline = time.monotonic() + 300
-    metrics = out / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.communicate()
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == 130, stderr
-    assert "Traceback" not in stderr, stderr
-    assert stdout.count("interrupted:") == 1, stdout
-    if command == "classic":
-        assert (out / "policy.pt").is_file()
-    else:
-        step = load_trainer_state(out / "checkpoint")["step"]
-        assert step >= 1 and f"interrupted: checkpoint saved at step {step}" in stdout
-
+# ---- Ctrl-C --------------------------------------------------------------------------------------------------------
+# Under ``spinwheel launch``, every command alike: tests/test_cli_interrupt.py (one launch of each command).
 
 HANGING_REWARD = """
 import time
