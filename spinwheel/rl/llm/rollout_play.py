@@ -110,8 +110,10 @@ def serve_rollouts(config: RLConfig, place: Placement) -> dict[str, Any]:
     its share of steps ``first .. end − 1``, each once version ``step − K`` arrived, and sends each batch."""
     model, tokenizer, make_env = _rollout_parts(config)
     receiver = WeightReceiver(place, model.state_dict())
-    kind, first, end, _, context = receiver.header()
-    if kind == STOP:  # the trainer failed before its first step
+    kind, first, end, code, context = receiver.header()
+    if kind == STOP:  # the trainer ended before its first step: a finished run (0), or an error
+        if code:
+            raise ValueError("the trainer stopped with an error (rank 0 says which)")
         return {"rollout_rank": place.rank, "steps": 0}
     llm = _engine(config, model, tokenizer, context)
     llm.update_weights(dict(zip(receiver.names, receiver.receive(first))))
