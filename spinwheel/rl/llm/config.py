@@ -162,7 +162,8 @@ class RLConfig(RunConfig):
         None,
         help="asynchronous rollouts: a producer thread samples the next steps' episodes while the trainer updates, "
         "loading new weights between engine steps; episodes older than K updates at training time are dropped "
-        "(0: the synchronous run exactly; default: the synchronous loop; one process only)",
+        "(0: the synchronous run exactly; default: the synchronous loop; one process, or under torchrun with "
+        "--rollout-ranks)",
         group="rollout",
     )
     rollout_ranks: int | None = option(
