@@ -100,7 +100,7 @@ class RLJob:
         check_one_process(config, dims is not None, config.algo)
         self.engine_tp_size, self.engine_tp = check_engine_tp(config, dims), None  # --engine-tp N: engine_tp.py
         if config.max_staleness is not None and dims is not None and placement is None:
-            raise ValueError("--max-staleness runs its rollout producer in one process for now: drop it under torchrun")
+            raise ValueError("--max-staleness under torchrun needs --rollout-ranks R (generation on ranks of its own)")
         policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip, fused=True)
         self.learner = self.make_learner(policy, optim)
