@@ -1,5 +1,6 @@
 """A short GRPO run on a black-box agent (:mod:`~spinwheel.rl.llm.agent_proxy`), one process, no harness: what
-``spinwheel grpo --agent`` will do inside the run loop, as a small command of its own::
+``spinwheel grpo --agent`` does inside the run loop (:mod:`~spinwheel.rl.llm.agent_run`: checkpoints, resume,
+logging, every option of the command), as a small command of its own::
 
     python -m spinwheel.rl.llm.agent_train --model runs/agent-sft/checkpoint \\
         --agent examples/calculator_agent.py:agent --tasks examples/calculator_agent.py:task --steps 20
