@@ -11,10 +11,9 @@ Train it with spinwheel (the policy served on a local base URL, every call's tok
     agent = load_agent("examples/calculator_agent.py:agent")
     episodes = play_agent_episodes(llm, agent, tasks(8), group_size=4)
 
-or as a command (a short GRPO run, held-out success before and after)::
+or as a command (GRPO on the agent's runs, held-out success before and after; its tasks: ``task`` below)::
 
-    python -m spinwheel.rl.llm.agent_train --model runs/agent-sft/checkpoint \\
-        --agent examples/calculator_agent.py:agent --tasks examples/calculator_agent.py:task
+    spinwheel grpo --model runs/agent-sft/checkpoint --agent examples/calculator_agent.py:agent --steps 20
 
 Each call's prompt is the previous prompt, the model's text and the tool's answer, so the calls chain into one
 token sequence (spinwheel trains on exactly the tokens the engine sampled). :func:`chat_agent` does the same through
