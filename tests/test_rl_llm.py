@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import small_config
+from helpers import run_cli, small_config
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.models.tokenizer import Tokenizer
@@ -206,9 +206,10 @@ def test_layouts_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_resumes_exactly(tmp_path):
+def test_sigkill_then_rerun_resumes_exactly(tmp_path, capfd):
     """Also with the asynchronous machinery at K = 0, its engine in a child process (which the kill orphans: it
-    exits when its pipe closes)."""
+    exits when its pipe closes). The runs that are killed are subprocesses; the uninterrupted run and the reruns
+    are the same command in this process."""
     args = [
         "--model",
         "test",
@@ -246,8 +247,12 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path):
     def command(out, *extra):
         return [sys.executable, "-m", "spinwheel.cli", "grpo", *args, *extra, "--out-dir", str(out)]
 
+    def run_here(out, *extra):  # ``command`` in this process
+        proc = run_cli(command(out, *extra)[3:], capfd)
+        assert proc.returncode == 0, proc.stderr
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(command(tmp_path / "full"), check=True, capture_output=True, env=env, timeout=300)
+    run_here(tmp_path / "full")
     for name, extra in (("killed", ()), ("async", ("--max-staleness", "0", "--rollout-engine", "process"))):
         proc = subprocess.Popen(
             command(tmp_path / name, *extra), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -263,7 +268,7 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert proc.returncode == -signal.SIGKILL
-        subprocess.run(command(tmp_path / name, *extra), check=True, capture_output=True, env=env, timeout=300)
+        run_here(tmp_path / name, *extra)
         full, killed = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / name / "metrics.jsonl")
         assert len(killed[0]) == 8
         assert killed == full, name
