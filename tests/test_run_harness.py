@@ -65,8 +65,9 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_two_sft_commands_on_one_directory(tmp_path):
-    """The second command fails at once with one line naming the first's pid; the first run's log stays whole."""
+def test_two_sft_commands_on_one_directory(tmp_path, capfd):
+    """The second command (in this process) fails at once with one line naming the first's pid; the first run's log
+    stays whole."""
     out = tmp_path / "run"
     args = ["sft", "--model", "test", "--steps", "400", "--eval-every", "0", "--save-every", "0"]
     args += [*TINY_TASK, "--num-threads", "1", "--out-dir", str(out)]
@@ -75,7 +76,7 @@ def test_two_sft_commands_on_one_directory(tmp_path):
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        second = subprocess.run([*SPINWHEEL, *args], capture_output=True, text=True, env=ENV, timeout=120)
+        second = run_cli(args, capfd)
         assert second.returncode == 2
         assert second.stderr.strip().splitlines() == [
             f"spinwheel sft: error: --out-dir {out} is in use by another run (pid {first.pid}); wait for it to end "
