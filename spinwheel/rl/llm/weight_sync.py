@@ -5,7 +5,7 @@ Without LoRA every weight changes at every update, so the trainer publishes the 
 included, unmerged): after each update only the adapters' factors (``lora_A`` / ``lora_B``) and any other
 parameter that trains are sent, and the engine loads them into its own LoRA layers in place
 (:meth:`~spinwheel.engine.llm_engine.LLMEngine.update_weights` takes a partial state dict), so it serves base +
-adapter without ever merging them — the adapter-only sync of verl / prime-rl, here in one process.
+adapter without ever merging them.
 
 The figures of each update go to ``metrics.jsonl``: ``sync_bytes`` (what the update sent: the adapters' bytes under
 LoRA, every weight's otherwise), ``sync_load_s`` (the producer's seconds to load the newest version into its
