@@ -52,6 +52,8 @@ def _tokens(llm: LLM, prompts, params) -> list[list[list[int]]]:
     return [[c.token_ids for c in out.outputs] for out in llm.generate(prompts, params)]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_greedy_equals_one_device_with_chunks_prefix_cache_and_preemption(engines):
     tp, one = engines
     prompts, lengths = _workload(0)
@@ -69,6 +71,8 @@ def test_greedy_equals_one_device_with_chunks_prefix_cache_and_preemption(engine
     assert tp.engine.block_manager.num_prefix_hit_tokens > 0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_seeded_sampling_with_forks_equals_one_device(engines):
     tp, one = engines
     prompts, lengths = _workload(1)
@@ -79,6 +83,8 @@ def test_seeded_sampling_with_forks_equals_one_device(engines):
     assert _tokens(tp, prompts[:5], params) == _tokens(one, prompts[:5], params)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_each_rank_holds_half_the_weights_and_of_every_block(engines):
     tp, one = engines
     memory = tp.engine.executor.memory
@@ -90,6 +96,8 @@ def test_each_rank_holds_half_the_weights_and_of_every_block(engines):
     assert tp.engine.runner.num_blocks == one.engine.runner.num_blocks
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_what_tp_does_not_do_yet_is_refused(engines):
     tp, one = engines
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
@@ -109,6 +117,8 @@ def test_tp_degree_must_divide_heads_before_anything_starts():
     assert len(multiprocessing.active_children()) == before
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_killed_worker_raises_and_closes(engines):
     tp, _ = engines
     (worker,) = tp.engine.executor.procs
@@ -122,6 +132,8 @@ def test_killed_worker_raises_and_closes(engines):
     assert not tp.engine.executor.procs
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_swap_preemption_equals_one_device(engines):
     engines[0].close()  # one tensor-parallel group per process: the module's engine is done (closing is idempotent)
     config = {**CONFIG, "preemption_mode": "swap", "num_cpu_blocks": 20}

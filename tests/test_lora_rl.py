@@ -45,6 +45,7 @@ def frozen_base(vocab_size: int) -> LocalLearner:
     return LocalLearner(load_model("test", seed=0, vocab_size=vocab_size), None)
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_trains_the_adapters_against_the_base_and_resumes_exactly(tmp_path, monkeypatch):
     result, job = run_grpo(tmp_path / "full", monkeypatch)
     model, vocab = job.learner.model, job.tokenizer.vocab_size

@@ -175,6 +175,7 @@ def per_rank() -> list[dict]:
     return spawn(worker, 2, timeout_s=120)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_launches_bucket_all_reduces_during_backward(per_rank):
     for res in per_rank:
@@ -197,6 +198,7 @@ def test_ddp_launches_bucket_all_reduces_during_backward(per_rank):
         assert min(waits) > last_ready  # waited at the end of backward
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_unused_parameters_are_zero_filled(per_rank):
     errors = [res["unused"] for res in per_rank if isinstance(res["unused"], str)]
@@ -209,6 +211,7 @@ def test_ddp_unused_parameters_are_zero_filled(per_rank):
                 torch.testing.assert_close(torch.from_numpy(got_step[name]), g, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_prefetches_the_next_units_gather_in_forward(per_rank):
     for log in (res["fsdp"] for res in per_rank):
@@ -220,6 +223,7 @@ def test_fsdp_prefetches_the_next_units_gather_in_forward(per_rank):
             assert at["forward_start", j] < at["forward_start", j + 1]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_prefetches_the_previous_units_gather_in_backward(per_rank):
     for log in (res["fsdp"] for res in per_rank):

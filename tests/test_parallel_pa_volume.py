@@ -60,6 +60,7 @@ def _mp_and_pa(volume: dict[str, int]) -> tuple[int, int]:
     return volume["all_reduce"], volume.get("all_gather", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_pa_costs_one_twelfth_of_the_model_parallel_volume_per_block(volumes):
     for res in volumes:
@@ -71,6 +72,7 @@ def test_pa_costs_one_twelfth_of_the_model_parallel_volume_per_block(volumes):
         assert pa_block / mp_block == pytest.approx(1 / 12) and pa_block / mp_block < 0.10
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_pa_overhead_of_a_whole_step_matches_the_formula(volumes):
     layers = 4

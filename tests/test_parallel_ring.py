@@ -65,6 +65,7 @@ def _cases(per_rank: list[dict], n: int):
                 yield rank, shape, dtype, case
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("n", [2, 3])
 def test_ring_all_reduce_equals_the_backends(per_rank, n):
@@ -77,6 +78,7 @@ def test_ring_all_reduce_equals_the_backends(per_rank, n):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m, where=where: f"{where}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("n", [2, 3])
 def test_ring_sends_two_psi_times_n_minus_one_over_n(per_rank, n):
