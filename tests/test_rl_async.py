@@ -133,6 +133,4 @@ def test_algorithms_that_refuse_asynchronous_rollouts():
     RLConfig(algo="cispo", max_staleness=1)
     with pytest.raises(ValueError, match="give --max-staleness K"):
         RLConfig(kv_on_update="recompute")
-    with pytest.raises(ValueError, match="under --rollout-ranks the engines are ranks"):
-        RLConfig(max_staleness=1, rollout_engine="process", rollout_ranks=1)
     RLConfig(algo="ppo", max_staleness=0)

@@ -295,8 +295,6 @@ def check_async_options(config: Any) -> None:
     if config.max_staleness is None:
         if config.kv_on_update != "keep" or config.rollout_engine != "thread":
             raise ValueError("--kv-on-update and --rollout-engine act on the rollout producer: give --max-staleness K")
-    if config.rollout_engine == "process" and getattr(config, "rollout_ranks", None):
-        raise ValueError("--rollout-engine process is for one process: under --rollout-ranks the engines are ranks")
 
 
 def producer_threads(max_ahead: int) -> int:
