@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing as mp
 import os
-import pickle
 from collections import deque
 
 import torch
@@ -32,9 +30,9 @@ import torch.distributed as dist
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
 from spinwheel.engine.pp_stage import PPStep, StageModel, StageRunner, check_pp_degree, stage_pool_config, stage_state
-from spinwheel.engine.tp_executor import TensorParallelError, _may_have_children
 from spinwheel.engine.tp_executor import make_runner as make_tp_runner
 from spinwheel.engine.tp_worker import to_device
+from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, may_have_children
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Handle
 from spinwheel.parallel.launch import free_port
@@ -43,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 PP_TIMEOUT_S = 60.0  # longest wait of a transfer between stages (and of the stages' start-up)
 _HIDDEN, _LOGITS = 1, 2  # message tags
-_PRELOAD = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine", "spinwheel.engine.pp_executor"]
 
 
 class PipelineParallelError(TensorParallelError):
@@ -59,8 +56,11 @@ def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
     return executor.runner, executor
 
 
-class PPExecutor:
+class PPExecutor(WorkerProcesses):
     """Spawns and drives the stages of a P-stage pipeline; ``runner`` is the driver's own stage (stage 0)."""
+
+    kind, link, error_class = "pipeline stage", "a transfer between pipeline stages", PipelineParallelError
+    preload = [*WorkerProcesses.preload, "spinwheel.engine.pp_executor"]
 
     def __init__(
         self, model: Transformer, config: EngineConfig, max_model_len: int, timeout_s: float | None = None
@@ -73,7 +73,10 @@ class PPExecutor:
                 "pipeline_parallel_size > 1 starts its own process group, and this process has one already "
                 "(a torchrun job?): run the pipeline-parallel engine in a process of its own"
             )
-        self.pp, self.failure, self.timeout = pp, None, datetime.timedelta(seconds=timeout_s)
+        super().__init__()
+        self._sends: deque[tuple[Handle, torch.Tensor]] = deque()  # hidden states sent to stage 1, in flight
+        self._pending: deque[StepInputs] = deque()  # iterations launched whose logits have not come back
+        self.pp, self.timeout = pp, datetime.timedelta(seconds=timeout_s)
         self.forwards = 0  # iterations launched that run the model
         self.most_in_flight = 0  # the most iterations ever in flight at once
         # gloo even on GPUs: its sends progress in the background, so iterations in flight in both directions
@@ -83,18 +86,16 @@ class PPExecutor:
         state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
         state["rotary.inv_freq"] = model.rotary.inv_freq.detach()  # a buffer state_dict leaves out
         init = f"tcp://127.0.0.1:{free_port()}"
-        self.procs, self.conns = [], []
-        with _may_have_children():
+        with may_have_children():
             for stage in range(1, pp):
                 box = [stage_state(state, model.config, pp, stage)]  # emptied once the stage has its copy
-                self._start(
-                    stage, (stage, pp, init, device_type, timeout_s), (model.config, box, runner_config, max_model_len)
-                )
+                args = (stage, pp, init, device_type, timeout_s, model.config, box, runner_config, max_model_len)
+                self.start(stage, stage_main, args, "pp-stage")
                 box.clear()
         try:
             dist.init_process_group(backend, init_method=init, rank=0, world_size=pp, timeout=self.timeout)
         except Exception as e:  # a stage that never joined (it died, or could not start in time)
-            self.failure = self._dead() or f"a pipeline stage did not join within {timeout_s:.0f}s ({type(e).__name__})"
+            self.failure = self.dead() or f"a pipeline stage did not join within {timeout_s:.0f}s ({type(e).__name__})"
             self.close()
             raise PipelineParallelError(self.failure) from e
         first = StageModel(model.config, pp, 0, stage_state(state, model.config, pp, 0))
@@ -107,43 +108,11 @@ class PPExecutor:
                 self.close()
                 raise PipelineParallelError(f"pipeline stage {stage} did not start within {timeout_s:.0f}s")
             self.memory.append(conn.recv())
-        self._sends: deque[tuple[Handle, torch.Tensor]] = deque()  # hidden states sent to stage 1, in flight
-        self._pending: deque[StepInputs] = deque()  # iterations launched whose logits have not come back
         logger.info("pipeline-parallel engine: %d stages (%s), per-stage memory %s", pp, backend, self.memory)
-
-    def _start(self, stage: int, dist_args: tuple, model_args: tuple) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=stage_main, args=(*dist_args, child, *model_args), daemon=True, name=f"pp-stage-{stage}"
-        )
-        proc.start()
-        child.close()  # the stage's end lives in the stage only: the driver's death closes the pipe
-        self.procs.append(proc)
-        self.conns.append(parent)
-
-    def _dead(self) -> str | None:
-        for stage, proc in enumerate(self.procs, 1):
-            if proc.exitcode is not None:
-                return f"pipeline stage {stage} (pid {proc.pid}) exited with code {proc.exitcode}"
-        return None
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
-
-    def _send(self, step: PPStep) -> None:
-        if self.failure is None:
-            self.failure = self._dead()
-        if self.failure is not None:
-            raise PipelineParallelError(f"{self.failure}; the engine cannot continue: close it")
-        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self.conns:
-                conn.send_bytes(data)
-        except OSError as e:
-            raise self.error(e) from e
 
     def launch(self, out) -> bool:
         """Start one engine iteration (a :class:`~spinwheel.engine.scheduler_output.SchedulerOutput`): every stage
@@ -156,7 +125,7 @@ class PPExecutor:
             return False
         cpu = to_device(inputs, torch.device("cpu")) if self.runner.model.device.type != "cpu" else inputs
         step = PPStep(*moves, cpu)  # type: ignore[arg-type]
-        self._send(step)
+        self.send_all(step)
         self.runner.move(step)
         if inputs is None:
             return False
@@ -183,38 +152,11 @@ class PPExecutor:
             raise self.error(e) from e
         return StepLogits(logits.to(self.runner.model.device), inputs.sample_rows, inputs.prompt_rows)
 
-    def error(self, exc: BaseException) -> PipelineParallelError:
-        """The error a failed transfer raises: the stage that is gone if any, else the transfer's own error."""
-        for _ in range(20):  # a killed peer breaks the transfer before its exit code is visible
-            self.failure = self._dead()
-            if self.failure is not None:
-                break
-            for proc in self.procs:
-                proc.join(0.05)
-        self.failure = self.failure or f"a transfer between pipeline stages failed ({exc})"
-        return PipelineParallelError(f"{self.failure}; the engine cannot continue: close it")
-
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the stages (killing any that do not stop within ``timeout_s``) and leave the process group."""
-        stop = pickle.dumps(PPStep([], [], [], None, stop=True))
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                if proc.exitcode is None:
-                    conn.send_bytes(stop)
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(timeout_s if self.failure is None else 0.5)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(timeout_s)
-        for conn in self.conns:
-            conn.close()
-        self.procs, self.conns = [], []
+        self.stop_workers(PPStep([], [], [], None, stop=True), timeout_s)
         self._sends.clear()
         self._pending.clear()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def stage_main(

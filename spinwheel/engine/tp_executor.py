@@ -17,18 +17,15 @@ or kills the others. A process that already has a default process group (a ``tor
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
-import multiprocessing as mp
-import pickle
-from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_tp_degree, pool_sizes, shard_model, worker_main
+from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, may_have_children
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.launch import free_port
@@ -37,24 +34,6 @@ from spinwheel.parallel.mesh import Axis
 logger = logging.getLogger(__name__)
 
 TP_TIMEOUT_S = 60.0  # longest wait of a collective (and of the workers' start-up)
-_PRELOAD = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine", "spinwheel.engine.tp_worker"]
-
-
-@contextlib.contextmanager
-def _may_have_children() -> Iterator[None]:
-    """Let a daemonic process (``spinwheel serve``'s engine process) start the workers, which multiprocessing
-    refuses by default: they are daemons of their own, ended with it (and on its death by their closed pipe)."""
-    config = mp.current_process()._config  # type: ignore[attr-defined]
-    daemonic = config.get("daemon", False)
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        config["daemon"] = daemonic
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel worker is gone or a collective failed: the engine cannot step any more (close it)."""
 
 
 def make_runner(model: Transformer, config: EngineConfig, max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
@@ -70,8 +49,11 @@ def make_runner(model: Transformer, config: EngineConfig, max_model_len: int) ->
     return executor.runner, executor
 
 
-class TPExecutor:
+class TPExecutor(WorkerProcesses):
     """Spawns and drives the workers of an N-way tensor-parallel engine; ``runner`` is the driver's own rank."""
+
+    kind, link = "tensor-parallel worker", "a collective of the tensor-parallel group"
+    preload = [*WorkerProcesses.preload, "spinwheel.engine.tp_worker"]
 
     def __init__(
         self, model: Transformer, config: EngineConfig, max_model_len: int, timeout_s: float | None = None
@@ -84,18 +66,18 @@ class TPExecutor:
                 "tensor_parallel_size > 1 starts its own process group, and this process has one already "
                 "(a torchrun job?): run the tensor-parallel engine in a process of its own"
             )
-        self.tp, self.failure = tp, None
+        super().__init__()
+        self.tp = tp
         self.forwards = 0  # steps sent that run the model (the others only move blocks)
         backend = "nccl" if model.device.type == "cuda" else "gloo"
         runner_config = pool_sizes(config, model.config, model.dtype, max_model_len)
         state = {k: v.detach() for k, v in model.state_dict().items()}
         init = f"tcp://127.0.0.1:{free_port()}"
-        self.procs, self.conns = [], []
         box = [state]  # emptied once the workers have their copy (the Process objects keep their arguments)
-        with _may_have_children():
+        with may_have_children():
             for rank in range(1, tp):
                 args = (rank, tp, init, backend, timeout_s, model.config, box, runner_config, max_model_len)
-                self._start_worker(rank, args)
+                self.start(rank, worker_main, args, "tp-worker")
         box.clear()
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=tp, timeout=timeout)
@@ -111,66 +93,11 @@ class TPExecutor:
             self.memory.append(conn.recv())
         logger.info("tensor-parallel engine: %d ranks (%s), per-rank memory %s", tp, backend, self.memory)
 
-    def _start_worker(self, rank: int, args: tuple) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=worker_main, args=(*args[:5], child, *args[5:]), daemon=True, name=f"tp-worker-{rank}"
-        )
-        proc.start()
-        child.close()  # the worker's end lives in the worker only: the driver's death closes the pipe
-        self.procs.append(proc)
-        self.conns.append(parent)
-
-    def _dead(self) -> str | None:
-        for rank, proc in enumerate(self.procs, 1):
-            if proc.exitcode is not None:
-                return f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-        return None
-
     def send(self, step: Step) -> None:
         """Ship one step to every worker (raises :class:`TensorParallelError` if one is gone)."""
-        if self.failure is None:
-            self.failure = self._dead()
-        if self.failure is not None:
-            raise TensorParallelError(f"{self.failure}; the engine cannot continue: close it")
+        self.send_all(step)
         self.forwards += step.inputs is not None
-        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self.conns:
-                conn.send_bytes(data)
-        except OSError as e:
-            raise self.error(e) from e
-
-    def error(self, exc: BaseException) -> TensorParallelError:
-        """The error a failed step raises: the worker that is gone if any (a collective failing with a dead peer),
-        else the collective's own error."""
-        for _ in range(20):  # a killed peer breaks the collective before its exit code is visible
-            self.failure = self._dead()
-            if self.failure is not None:
-                break
-            for proc in self.procs:
-                proc.join(0.05)
-        self.failure = self.failure or f"a collective of the tensor-parallel group failed ({exc})"
-        return TensorParallelError(f"{self.failure}; the engine cannot continue: close it")
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the workers (killing any that do not stop within ``timeout_s``) and leave the process group."""
-        stop = pickle.dumps(Step([], [], [], None, stop=True))
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                if proc.exitcode is None:
-                    conn.send_bytes(stop)
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(timeout_s if self.failure is None else 0.5)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(timeout_s)
-        for conn in self.conns:
-            conn.close()
-        self.procs, self.conns = [], []
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.stop_workers(Step([], [], [], None, stop=True), timeout_s)

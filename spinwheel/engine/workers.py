@@ -1,0 +1,113 @@
+"""The worker processes of a multi-process engine, as its driver sees them: the tensor-parallel workers
+(:mod:`~spinwheel.engine.tp_executor`) and the pipeline stages (:mod:`~spinwheel.engine.pp_executor`) are started,
+fed and stopped alike. Ranks 1 … N − 1 are spawned from multiprocessing's fork server, each with a pipe whose far
+end lives in that process only (the driver's death closes it, which ends the worker); every message to them is one
+pickle sent to all; one that exited is noticed before each send and when a collective or transfer fails, and the
+engine then raises an error naming it; :meth:`WorkerProcesses.close` stops them, killing what does not stop."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+
+class TensorParallelError(RuntimeError):
+    """A worker of a multi-process engine is gone or a collective failed: the engine cannot step any more (close
+    it). A lost pipeline stage raises its subclass."""
+
+
+@contextlib.contextmanager
+def may_have_children() -> Iterator[None]:
+    """Let a daemonic process (``spinwheel serve``'s engine process) start the workers, which multiprocessing
+    refuses by default: they are daemons of their own, ended with it (and on its death by their closed pipe)."""
+    config = mp.current_process()._config  # type: ignore[attr-defined]
+    daemonic = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemonic
+
+
+class WorkerProcesses:
+    """Ranks 1 … N − 1 of an engine, from its driver (rank 0). A subclass names them (``kind``: "tensor-parallel
+    worker"), what fails when one is gone (``link``: "a collective of the tensor-parallel group"), the error it
+    raises, the modules its fork server preloads and the message that stops a worker."""
+
+    kind = "worker"
+    link = "a collective"
+    error_class: type[TensorParallelError] = TensorParallelError
+    preload: list[str] = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine"]
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.failure: str | None = None
+
+    def start(self, rank: int, target: Callable[..., None], args: tuple, name: str) -> None:
+        """Spawn rank ``rank`` running ``target(*args[:5], pipe, *args[5:])``."""
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(self.preload)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(*args[:5], child, *args[5:]), daemon=True, name=f"{name}-{rank}")
+        proc.start()
+        child.close()  # the worker's end lives in the worker only: the driver's death closes the pipe
+        self.procs.append(proc)
+        self.conns.append(parent)
+
+    def dead(self) -> str | None:
+        """Which worker exited, if one did."""
+        for rank, proc in enumerate(self.procs, 1):
+            if proc.exitcode is not None:
+                return f"{self.kind} {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def send_all(self, message: Any) -> None:
+        """Pickle ``message`` once and send it to every worker (raises ``error_class`` if one is gone)."""
+        if self.failure is None:
+            self.failure = self.dead()
+        if self.failure is not None:
+            raise self.error_class(f"{self.failure}; the engine cannot continue: close it")
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            raise self.error(e) from e
+
+    def error(self, exc: BaseException) -> TensorParallelError:
+        """The error a failed step raises: the worker that is gone if any (a collective failing with a dead peer),
+        else the collective's own error."""
+        for _ in range(20):  # a killed peer breaks the collective before its exit code is visible
+            self.failure = self.dead()
+            if self.failure is not None:
+                break
+            for proc in self.procs:
+                proc.join(0.05)
+        self.failure = self.failure or f"{self.link} failed ({exc})"
+        return self.error_class(f"{self.failure}; the engine cannot continue: close it")
+
+    def stop_workers(self, stop: Any, timeout_s: float = 5.0) -> None:
+        """Send ``stop`` to the workers, kill any that do not stop within ``timeout_s``, leave the process group."""
+        data = pickle.dumps(stop)
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                if proc.exitcode is None:
+                    conn.send_bytes(data)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout_s if self.failure is None else 0.5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout_s)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()
