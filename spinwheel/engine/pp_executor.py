@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from collections import deque
 
 import torch
@@ -32,7 +31,7 @@ from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
 from spinwheel.engine.pp_stage import PPStep, StageModel, StageRunner, check_pp_degree, stage_pool_config, stage_state
 from spinwheel.engine.tp_executor import make_runner as make_tp_runner
 from spinwheel.engine.tp_worker import to_device
-from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, may_have_children
+from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, join_engine_group, may_have_children
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Handle
 from spinwheel.parallel.launch import free_port
@@ -173,14 +172,9 @@ def stage_main(
 ) -> None:
     """A stage process: join the group, build this stage's model (its own copy of its tensors) and runner, then
     run each iteration the driver sends until ``stop`` or until the driver is gone (its end of the pipe closed)."""
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(stage)
-        device = torch.device("cuda", stage)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))
-    torch.set_flush_denormal(engine_config.flush_denormal)
+    flush = engine_config.flush_denormal
+    device = join_engine_group(stage, pp, init_method, "gloo", device_type == "cuda", timeout_s, flush)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=init_method, rank=stage, world_size=pp, timeout=timeout)
     try:
         state = {k: v.to(device, copy=True) for k, v in box.pop().items()}
         runner = StageRunner(StageModel(model_config, pp, stage, state), engine_config, max_model_len)

@@ -219,18 +219,12 @@ def worker_main(
 ) -> None:
     """A worker process: join the TP group, build this rank's shard and runner, then run each step the driver
     sends through ``conn`` until ``stop`` or until the driver is gone (its end of the pipe closed)."""
-    import datetime
-
     import torch.distributed as dist
 
-    device = torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    torch.set_flush_denormal(engine_config.flush_denormal)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    from spinwheel.engine.workers import join_engine_group
+
+    flush = engine_config.flush_denormal
+    device = join_engine_group(rank, world, init_method, backend, backend == "nccl", timeout_s, flush)
     try:
         axis, comm = Axis("tp", tuple(range(world)), rank, dist.group.WORLD), Comm(timeout_s)
         runner = TPModelRunner(

@@ -8,11 +8,14 @@ engine then raises an error naming it; :meth:`WorkerProcesses.close` stops them,
 from __future__ import annotations
 
 import contextlib
+import datetime
 import multiprocessing as mp
+import os
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -111,3 +114,19 @@ class WorkerProcesses:
         self.procs, self.conns = [], []
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def join_engine_group(
+    rank: int, world: int, init_method: str, backend: str, on_gpu: bool, timeout_s: float, flush_denormal: bool
+) -> torch.device:
+    """In a worker: its device (GPU ``rank`` with ``on_gpu``), its share of the CPU threads and the engine's
+    denormal setting; then join the driver's process group. Returns the device."""
+    device = torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_flush_denormal(flush_denormal)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    return device
