@@ -276,20 +276,17 @@ class ModelRunner:
         """The model over the flat batch -> hidden states (N, C) before the LM head; each row through its adapter."""
         with self.loras.active(inputs.lora_slots, self.model.device):
             if self.packed is not None:
-                self.packed.refresh()  # a trainer sharing the model may have changed weights in place
-                return cpu_forward.hidden_states(
-                    self.model,
-                    self.packed,
-                    inputs.input_ids,
-                    inputs.positions,
-                    inputs.meta,
-                    self.k_caches,
-                    self.v_caches,
-                    self.fused_decode,
-                )
+                return self.packed_forward(inputs)
             return self.model(
                 inputs.input_ids[None], positions=inputs.positions[None], attn_metadata=inputs.meta, return_hidden=True
             )[0]
+
+    def packed_forward(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The oneDNN-packed CPU path over the flat batch (from ``hidden`` (N, C) instead of the tokens: a pipeline
+        stage), the packed weights refreshed first: a trainer sharing the model may have changed them in place."""
+        self.packed.refresh()  # type: ignore[union-attr]
+        args = (inputs.input_ids, inputs.positions, inputs.meta, self.k_caches, self.v_caches, self.fused_decode)
+        return cpu_forward.hidden_states(self.model, self.packed, *args, hidden)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def select_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> StepLogits:

@@ -189,18 +189,7 @@ class StageRunner(ModelRunner):
         (N, C); returns the hidden states (N, C) to hand on, normalised on the last stage."""
         m = self.model
         if self.packed is not None:
-            self.packed.refresh()
-            return cpu_forward.hidden_states(
-                m,  # type: ignore[arg-type]
-                self.packed,
-                inputs.input_ids,
-                inputs.positions,
-                inputs.meta,
-                self.k_caches,
-                self.v_caches,
-                self.fused_decode,
-                hidden,
-            )
+            return self.packed_forward(inputs, hidden)
         x = m.embed_tokens(inputs.input_ids) if hidden is None else hidden  # type: ignore[misc]
         x = run_blocks(m.layers, m.rotary, x[None], inputs.positions[None], inputs.meta)[0]
         return m.norm(x) if m.norm is not None else x
