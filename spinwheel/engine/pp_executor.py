@@ -31,7 +31,13 @@ from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
 from spinwheel.engine.pp_stage import PPStep, StageModel, StageRunner, check_pp_degree, stage_pool_config, stage_state
 from spinwheel.engine.tp_executor import make_runner as make_tp_runner
 from spinwheel.engine.tp_worker import to_device
-from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, join_engine_group, may_have_children
+from spinwheel.engine.workers import (
+    TensorParallelError,
+    WorkerProcesses,
+    driver_steps,
+    join_engine_group,
+    may_have_children,
+)
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Handle
 from spinwheel.parallel.launch import free_port
@@ -188,13 +194,7 @@ def stage_main(
 def _run_stage(conn, runner: ModelRunner, stage: int, pp: int, timeout: datetime.timedelta) -> None:
     sends: deque[tuple[Handle, torch.Tensor]] = deque()
     width = runner.model.config.hidden_size
-    while True:
-        try:
-            step = conn.recv()
-        except EOFError:
-            return
-        if step.stop:
-            return
+    for step in driver_steps(conn):
         runner.move(step)  # type: ignore[attr-defined]
         inputs = step.inputs
         if inputs is None:

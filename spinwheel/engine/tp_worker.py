@@ -221,7 +221,7 @@ def worker_main(
     sends through ``conn`` until ``stop`` or until the driver is gone (its end of the pipe closed)."""
     import torch.distributed as dist
 
-    from spinwheel.engine.workers import join_engine_group
+    from spinwheel.engine.workers import driver_steps, join_engine_group
 
     flush = engine_config.flush_denormal
     device = join_engine_group(rank, world, init_method, backend, backend == "nccl", timeout_s, flush)
@@ -231,13 +231,7 @@ def worker_main(
             shard_model(model_config, box.pop(), axis, comm, device), engine_config, max_model_len, axis, comm
         )
         conn.send(runner.shard_bytes())
-        while True:
-            try:
-                step = conn.recv()
-            except EOFError:
-                return
-            if step.stop:
-                return
+        for step in driver_steps(conn):
             runner.execute(step)
     finally:
         dist.destroy_process_group()

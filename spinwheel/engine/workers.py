@@ -130,3 +130,16 @@ def join_engine_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     return device
+
+
+def driver_steps(conn: Any) -> Iterator[Any]:
+    """In a worker: each message the driver sends, until its ``stop`` or until the driver is gone (its end of the
+    pipe closed)."""
+    while True:
+        try:
+            step = conn.recv()
+        except EOFError:
+            return
+        if step.stop:
+            return
+        yield step
