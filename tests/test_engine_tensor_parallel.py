@@ -156,3 +156,39 @@ def test_tp_option_of_serve_and_generate():
     for command in (["serve", "--model", "test"], ["generate", "--model", "test", "--prompt", "x"]):
         assert _engine_from_args(parser.parse_args([*command, "--tp", "2"])).tensor_parallel_size == 2
         assert _engine_from_args(parser.parse_args(command)).tensor_parallel_size == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp4_equals_one_device_and_hf_generate(tmp_path):
+    """TP 4 (a model with 8 heads on 4 KV heads: 2 and 1 per rank) on the mixed workload with preemption: greedy
+    and seeded (n = 2) output equal one device's, and the greedy output HF ``generate``'s."""
+    import torch
+    import transformers
+
+    from spinwheel.models.config import ModelConfig
+    from spinwheel.models.hf import save_pretrained
+    from spinwheel.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8)
+    model = Transformer(ModelConfig(vocab_size=128, num_key_value_heads=4, **shape)).eval()
+    prompts, lengths = _workload(1)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    seeded = [
+        SamplingParams(temperature=1.0, max_tokens=n, seed=7 + i, n=2, ignore_eos=True) for i, n in enumerate(lengths)
+    ]
+    outputs = []
+    for extra in ({}, {"tensor_parallel_size": 4}):
+        llm = LLM(model, **CONFIG, **extra)
+        try:
+            outputs.append((_tokens(llm, prompts, greedy), _tokens(llm, prompts, seeded)))
+            assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.close()
+    assert outputs[1] == outputs[0]
+    save_pretrained(model, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    for prompt, n, (ours,) in zip(prompts, lengths, outputs[0][0]):
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        assert ids[0, len(prompt) :].tolist() == ours
