@@ -88,17 +88,26 @@ def _three_ranks_worker(rank: int, world: int, root: str) -> None:
     train_rl(small_config(f"{root}/k1", steps=3, rollout_ranks=2, max_staleness=1))  # they run one update ahead
 
 
+def _sync_dp2_worker(rank: int, world: int, root: str) -> None:
+    train_rl(small_config(f"{root}/sync_dp2", steps=3))  # today's synchronous loop under --dp 2
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_three_ranks_two_trainers_or_two_rollout_ranks(tmp_path):
-    """In 3 processes: 2 data-parallel trainer ranks (their own group) take the same steps as one process (to
-    rounding: the update is a data-parallel one); 2 rollout ranks with one trainer equal it bit for bit; with
-    --max-staleness 1 they sample ahead on weights at most one update old, swapped in between engine steps."""
+    """In 3 processes: 2 data-parallel trainer ranks (their own group) at --max-staleness 0 take the same steps as
+    the synchronous loop under --dp 2, bit for bit, and as one process to rounding; 2 rollout ranks with one
+    trainer equal one process bit for bit; with --max-staleness 1 they sample ahead on weights at most one update
+    old, swapped in between engine steps."""
     train_rl(small_config(tmp_path / "one", steps=3))
     spawn(_three_ranks_worker, 3, args=(str(tmp_path),), timeout_s=300)
     one, dp2, r2 = (_steps(tmp_path / name) for name in ("one", "dp2", "r2"))
     for key in ("reward_mean", "loss", "kl_ref", "grad_norm"):
         assert [r[key] for r in r2] == [r[key] for r in one], key
+    spawn(_sync_dp2_worker, 2, args=(str(tmp_path),), timeout_s=300)
+    sync_dp2 = _steps(tmp_path / "sync_dp2")
+    for key in ("reward_mean", "response_len", "loss", "kl_ref", "grad_norm"):
+        assert [r[key] for r in dp2] == [r[key] for r in sync_dp2], key
     assert [r["reward_mean"] for r in dp2] == [r["reward_mean"] for r in one]
     assert [r["loss"] for r in dp2] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-6)
     assert all("comm/dp/all_reduce/bytes" in r for r in dp2)  # the trainers' update ran over their own group
