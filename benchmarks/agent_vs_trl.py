@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_vs_trl import SYSTEMS, Baton, Run, _SteppedBar, print_phases  # noqa: E402
+from grpo_vs_trl import SYSTEMS, Baton, Run, _SteppedBar, matched_config, print_phases  # noqa: E402
 
 import spinwheel.train.run as run_harness  # noqa: E402
 from spinwheel.agent_demo import held_out, success  # noqa: E402
@@ -50,7 +50,6 @@ from spinwheel.envs.base import Action  # noqa: E402
 from spinwheel.models.tokenizer import load_tokenizer  # noqa: E402
 from spinwheel.rl.llm import RLConfig, train_rl  # noqa: E402
 from spinwheel.rl.llm.rollout import sample_seed  # noqa: E402
-from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS  # noqa: E402
 
 STOP = "</calc>"
 
@@ -171,7 +170,7 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ckpt, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -189,41 +188,7 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
         run.rewards.append(sum(env_reward) / len(env_reward))
         return env_reward
 
-    config = GRPOConfig(
-        output_dir=str(work / "trl"),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.prompts * args.group_size,
-        gradient_accumulation_steps=1,
-        num_generations=args.group_size,
-        max_completion_length=4 * args.max_new_tokens,
-        num_iterations=1,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        adam_beta1=ADAMW_BETAS[0],
-        adam_beta2=ADAMW_BETAS[1],
-        adam_epsilon=ADAMW_EPS,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=args.beta,
-        epsilon=args.epsilon,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        loss_type="dapo",
-        scale_rewards="group",
-        shuffle_dataset=False,
-        seed=args.seed,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    config = matched_config(args, work, 4 * args.max_new_tokens)
     trainer = GRPOTrainer(
         model=model, reward_funcs=env_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
         rollout_func=player,

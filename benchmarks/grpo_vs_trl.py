@@ -209,38 +209,17 @@ def run_spinwheel(args, ckpt: Path, work: Path, run: Run) -> None:
                 run.phases[key[5:]].append(value)
 
 
-def run_trl(args, ckpt: Path, work: Path, run: Run):
-    """TRL's run; returns the trainer (its held-out evaluation runs after both runs ended)."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
+def matched_config(args, work: Path, max_completion_length: int):
+    """TRL's ``GRPOConfig`` with every setting matched to spinwheel's (module docstring), fp32 on the CPU."""
+    from trl import GRPOConfig
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(ckpt, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    for cfg in (model.config, model.generation_config):  # spinwheel's config.json carries no special ids yet
-        cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-        cfg.bos_token_id = tokenizer.bos_token_id
-    train = prompts_from_task(load_tokenizer(ckpt), ArithmeticTask().train)
-    order = [i for step in range(args.steps) for i in batch_indices(step, args.prompts, len(train), args.seed)]
-    rows = [train[i] for i in order]
-    probe = tokenizer(text=[p.text for p in rows[: args.prompts]])["input_ids"]
-    if [list(p.ids) for p in rows[: args.prompts]] != probe:
-        raise SystemExit("TRL's tokenizer does not give spinwheel's prompt ids (BOS?): the runs would differ")
-    dataset = Dataset.from_dict({"prompt": [p.text for p in rows], "answer": [p.answer for p in rows]})
-
-    def exact_match(prompts, completions, answer, **_):
-        values = [reward(c, a) for c, a in zip(completions, answer)]
-        run.rewards.append(sum(values) / len(values))
-        return values
-
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(work / "trl"),
         max_steps=args.steps,
         per_device_train_batch_size=args.prompts * args.group_size,
         gradient_accumulation_steps=1,
         num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens,
+        max_completion_length=max_completion_length,
         num_iterations=1,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -269,6 +248,34 @@ def run_trl(args, ckpt: Path, work: Path, run: Run):
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+
+
+def run_trl(args, ckpt: Path, work: Path, run: Run):
+    """TRL's run; returns the trainer (its held-out evaluation runs after both runs ended)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOTrainer
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(ckpt, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    for cfg in (model.config, model.generation_config):  # spinwheel's config.json carries no special ids yet
+        cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        cfg.bos_token_id = tokenizer.bos_token_id
+    train = prompts_from_task(load_tokenizer(ckpt), ArithmeticTask().train)
+    order = [i for step in range(args.steps) for i in batch_indices(step, args.prompts, len(train), args.seed)]
+    rows = [train[i] for i in order]
+    probe = tokenizer(text=[p.text for p in rows[: args.prompts]])["input_ids"]
+    if [list(p.ids) for p in rows[: args.prompts]] != probe:
+        raise SystemExit("TRL's tokenizer does not give spinwheel's prompt ids (BOS?): the runs would differ")
+    dataset = Dataset.from_dict({"prompt": [p.text for p in rows], "answer": [p.answer for p in rows]})
+
+    def exact_match(prompts, completions, answer, **_):
+        values = [reward(c, a) for c, a in zip(completions, answer)]
+        run.rewards.append(sum(values) / len(values))
+        return values
+
+    config = matched_config(args, work, args.max_new_tokens)
     trainer = GRPOTrainer(
         model=model, reward_funcs=exact_match, args=config, train_dataset=dataset, processing_class=tokenizer
     )
