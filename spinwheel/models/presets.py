@@ -4,38 +4,23 @@ from __future__ import annotations
 
 from spinwheel.models.config import ModelConfig
 
-# vocab_size is filled in from the tokenizer when a preset is built for it (the built-in char tokenizer: 100).
-PRESETS: dict[str, dict] = {
-    # ~0.4M parameters: the demo's model; learns 2-digit addition in a couple of CPU minutes.
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    ),
-    # ~3M parameters.
-    "small": dict(
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    ),
-    # ~0.05M parameters: unit tests.
-    "test": dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    ),
+# One row a preset, one column a ModelConfig field. vocab_size is filled in from the tokenizer when a preset is
+# built for it (the built-in char tokenizer: 100).
+_COLUMNS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+_ROWS = {
+    "tiny": (128, 352, 3, 4, 2, 256, True),  # ~0.4M parameters: the demo's model; learns 2-digit addition in minutes
+    "small": (256, 704, 6, 8, 4, 1024, True),  # ~3M parameters
+    "test": (32, 64, 2, 4, 2, 128, False),  # ~0.05M parameters: unit tests
 }
+PRESETS: dict[str, dict] = {name: dict(zip(_COLUMNS, row, strict=True)) for name, row in _ROWS.items()}
 
 
 def preset_config(name: str, vocab_size: int, **overrides) -> ModelConfig:
