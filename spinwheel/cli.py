@@ -166,22 +166,15 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
     add_arguments(p, PlacementConfig)
     add_arguments(p, EngineConfig, prefix="engine-", skip={"dtype", "device", "seed"}, group="engine")
-    p.add_argument(
-        "--tp",
-        dest="engine_tensor_parallel_size",
-        type=int,
-        default=argparse.SUPPRESS,
-        metavar="N",
-        help="tensor-parallel degree (short for --engine-tensor-parallel-size)",
-    )
-    p.add_argument(
-        "--pp",
-        dest="engine_pipeline_parallel_size",
-        type=int,
-        default=argparse.SUPPRESS,
-        metavar="P",
-        help="pipeline-parallel degree (short for --engine-pipeline-parallel-size)",
-    )
+    for short, axis, metavar in (("tp", "tensor", "N"), ("pp", "pipeline", "P")):
+        p.add_argument(
+            f"--{short}",
+            dest=f"engine_{axis}_parallel_size",
+            type=int,
+            default=argparse.SUPPRESS,
+            metavar=metavar,
+            help=f"{axis}-parallel degree (short for --engine-{axis}-parallel-size)",
+        )
 
 
 def _engine_from_args(ns: argparse.Namespace) -> EngineConfig:
