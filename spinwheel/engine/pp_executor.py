@@ -31,16 +31,9 @@ from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
 from spinwheel.engine.pp_stage import PPStep, StageModel, StageRunner, check_pp_degree, stage_pool_config, stage_state
 from spinwheel.engine.tp_executor import make_runner as make_tp_runner
 from spinwheel.engine.tp_worker import to_device
-from spinwheel.engine.workers import (
-    TensorParallelError,
-    WorkerProcesses,
-    driver_steps,
-    join_engine_group,
-    may_have_children,
-)
+from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, driver_steps, join_engine_group
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Handle
-from spinwheel.parallel.launch import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +58,7 @@ class PPExecutor(WorkerProcesses):
     """Spawns and drives the stages of a P-stage pipeline; ``runner`` is the driver's own stage (stage 0)."""
 
     kind, link, error_class = "pipeline stage", "a transfer between pipeline stages", PipelineParallelError
+    engine, degree = "pipeline-parallel engine", "pipeline_parallel_size"
     preload = [*WorkerProcesses.preload, "spinwheel.engine.pp_executor"]
 
     def __init__(
@@ -73,15 +67,10 @@ class PPExecutor(WorkerProcesses):
         timeout_s = timeout_s or PP_TIMEOUT_S
         pp = config.pipeline_parallel_size
         check_pp_degree(model.config, pp)
-        if dist.is_initialized():
-            raise RuntimeError(
-                "pipeline_parallel_size > 1 starts its own process group, and this process has one already "
-                "(a torchrun job?): run the pipeline-parallel engine in a process of its own"
-            )
-        super().__init__()
+        super().__init__(pp, timeout_s)
         self._sends: deque[tuple[Handle, torch.Tensor]] = deque()  # hidden states sent to stage 1, in flight
         self._pending: deque[StepInputs] = deque()  # iterations launched whose logits have not come back
-        self.pp, self.timeout = pp, datetime.timedelta(seconds=timeout_s)
+        self.pp = pp
         self.forwards = 0  # iterations launched that run the model
         self.most_in_flight = 0  # the most iterations ever in flight at once
         # gloo even on GPUs: its sends progress in the background, so iterations in flight in both directions
@@ -90,29 +79,18 @@ class PPExecutor(WorkerProcesses):
         runner_config = stage_pool_config(config, model.config, model.dtype, max_model_len)
         state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
         state["rotary.inv_freq"] = model.rotary.inv_freq.detach()  # a buffer state_dict leaves out
-        init = f"tcp://127.0.0.1:{free_port()}"
-        with may_have_children():
-            for stage in range(1, pp):
-                box = [stage_state(state, model.config, pp, stage)]  # emptied once the stage has its copy
-                args = (stage, pp, init, device_type, timeout_s, model.config, box, runner_config, max_model_len)
-                self.start(stage, stage_main, args, "pp-stage")
-                box.clear()
-        try:
-            dist.init_process_group(backend, init_method=init, rank=0, world_size=pp, timeout=self.timeout)
-        except Exception as e:  # a stage that never joined (it died, or could not start in time)
-            self.failure = self.dead() or f"a pipeline stage did not join within {timeout_s:.0f}s ({type(e).__name__})"
-            self.close()
-            raise PipelineParallelError(self.failure) from e
+        for stage in range(1, pp):
+            box = [stage_state(state, model.config, pp, stage)]  # emptied once the stage has its copy
+            init = self.init_method
+            args = (stage, pp, init, device_type, timeout_s, model.config, box, runner_config, max_model_len)
+            self.start(stage, stage_main, args, "pp-stage")
+            box.clear()
+        self.join(backend)
         first = StageModel(model.config, pp, 0, stage_state(state, model.config, pp, 0))
         del state
         self.runner = StageRunner(first, runner_config, max_model_len)
         self.vocab = model.lm_head.out_features
-        self.memory = [self.runner.memory()]  # per stage: layer and edge weights, KV cache (bytes)
-        for stage, conn in enumerate(self.conns, 1):
-            if not conn.poll(timeout_s):
-                self.close()
-                raise PipelineParallelError(f"pipeline stage {stage} did not start within {timeout_s:.0f}s")
-            self.memory.append(conn.recv())
+        self.memory = [self.runner.memory(), *self.started()]  # per stage: layer and edge weights, KV cache (bytes)
         logger.info("pipeline-parallel engine: %d stages (%s), per-stage memory %s", pp, backend, self.memory)
 
     @property

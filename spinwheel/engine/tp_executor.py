@@ -17,7 +17,6 @@ or kills the others. A process that already has a default process group (a ``tor
 
 from __future__ import annotations
 
-import datetime
 import logging
 
 import torch.distributed as dist
@@ -25,10 +24,9 @@ import torch.distributed as dist
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_tp_degree, pool_sizes, shard_model, worker_main
-from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, may_have_children
+from spinwheel.engine.workers import TensorParallelError, WorkerProcesses  # noqa: F401 (the error is named from here)
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Comm
-from spinwheel.parallel.launch import free_port
 from spinwheel.parallel.mesh import Axis
 
 logger = logging.getLogger(__name__)
@@ -61,36 +59,23 @@ class TPExecutor(WorkerProcesses):
         timeout_s = timeout_s or TP_TIMEOUT_S
         tp = config.tensor_parallel_size
         check_tp_degree(model.config, tp)
-        if dist.is_initialized():
-            raise RuntimeError(
-                "tensor_parallel_size > 1 starts its own process group, and this process has one already "
-                "(a torchrun job?): run the tensor-parallel engine in a process of its own"
-            )
-        super().__init__()
+        super().__init__(tp, timeout_s)
         self.tp = tp
         self.forwards = 0  # steps sent that run the model (the others only move blocks)
         backend = "nccl" if model.device.type == "cuda" else "gloo"
         runner_config = pool_sizes(config, model.config, model.dtype, max_model_len)
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        init = f"tcp://127.0.0.1:{free_port()}"
         box = [state]  # emptied once the workers have their copy (the Process objects keep their arguments)
-        with may_have_children():
-            for rank in range(1, tp):
-                args = (rank, tp, init, backend, timeout_s, model.config, box, runner_config, max_model_len)
-                self.start(rank, worker_main, args, "tp-worker")
+        for rank in range(1, tp):
+            args = (rank, tp, self.init_method, backend, timeout_s, model.config, box, runner_config, max_model_len)
+            self.start(rank, worker_main, args, "tp-worker")
         box.clear()
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init, rank=0, world_size=tp, timeout=timeout)
+        self.join(backend)
         self.axis, self.comm = Axis("tp", tuple(range(tp)), 0, dist.group.WORLD), Comm(timeout_s)
         shard = shard_model(model.config, state, self.axis, self.comm, model.device)
         del state
         self.runner = TPModelRunner(shard, runner_config, max_model_len, self.axis, self.comm, executor=self)
-        self.memory = [self.runner.shard_bytes()]  # per rank: sharded and replicated weights, KV cache (bytes)
-        for rank, conn in enumerate(self.conns, 1):
-            if not conn.poll(timeout_s):
-                self.close()
-                raise TensorParallelError(f"tensor-parallel worker {rank} did not start within {timeout_s:.0f}s")
-            self.memory.append(conn.recv())
+        self.memory = [self.runner.shard_bytes(), *self.started()]  # per rank: sharded and replicated weights, KV
         logger.info("tensor-parallel engine: %d ranks (%s), per-rank memory %s", tp, backend, self.memory)
 
     def send(self, step: Step) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spinwheel.parallel.launch import free_port
+
 
 class TensorParallelError(RuntimeError):
     """A worker of a multi-process engine is gone or a collective failed: the engine cannot step any more (close
@@ -39,15 +41,31 @@ def may_have_children() -> Iterator[None]:
 
 class WorkerProcesses:
     """Ranks 1 … N − 1 of an engine, from its driver (rank 0). A subclass names them (``kind``: "tensor-parallel
-    worker"), what fails when one is gone (``link``: "a collective of the tensor-parallel group"), the error it
-    raises, the modules its fork server preloads and the message that stops a worker."""
+    worker"), what fails when one is gone (``link``: "a collective of the tensor-parallel group"), the engine and
+    the option that asks for it (``engine``, ``degree``), the error it raises, the modules its fork server preloads,
+    and its ``close`` sends the message that stops a worker.
+
+    The driver's start-up, in order: ``__init__`` (refused where a process group exists already), :meth:`start`
+    for each worker, :meth:`join` (the process group on ``init_method``), then :meth:`started` (each worker's
+    first message)."""
 
     kind = "worker"
     link = "a collective"
+    engine = "tensor-parallel engine"
+    degree = "tensor_parallel_size"
     error_class: type[TensorParallelError] = TensorParallelError
     preload: list[str] = ["torch", "torch.distributed", "spinwheel", "spinwheel.engine"]
 
-    def __init__(self) -> None:
+    def __init__(self, world: int, timeout_s: float) -> None:
+        """A driver of ``world`` ranks (itself included) whose every start-up wait lasts at most ``timeout_s``."""
+        if dist.is_initialized():
+            raise RuntimeError(
+                f"{self.degree} > 1 starts its own process group, and this process has one already "
+                f"(a torchrun job?): run the {self.engine} in a process of its own"
+            )
+        self.world, self.timeout_s = world, timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.failure: str | None = None
@@ -58,10 +76,40 @@ class WorkerProcesses:
         ctx.set_forkserver_preload(self.preload)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=target, args=(*args[:5], child, *args[5:]), daemon=True, name=f"{name}-{rank}")
-        proc.start()
+        with may_have_children():
+            proc.start()
         child.close()  # the worker's end lives in the worker only: the driver's death closes the pipe
         self.procs.append(proc)
         self.conns.append(parent)
+
+    def join(self, backend: str) -> None:
+        """Join the workers' process group as rank 0; one that never joins (it died, or could not start in time)
+        closes the engine and raises ``error_class``."""
+        try:
+            dist.init_process_group(
+                backend, init_method=self.init_method, rank=0, world_size=self.world, timeout=self.timeout
+            )
+        except Exception as e:
+            self.failure = (
+                self.dead() or f"a {self.kind} did not join within {self.timeout_s:.0f}s ({type(e).__name__})"
+            )
+            self.close()
+            raise self.error_class(self.failure) from e
+
+    def started(self) -> list[Any]:
+        """The first message of each worker (the executors': its memory), once it has built its part of the model;
+        one that sends none within ``timeout_s`` closes the engine and raises ``error_class``."""
+        firsts = []
+        for rank, conn in enumerate(self.conns, 1):
+            if not conn.poll(self.timeout_s):
+                self.close()
+                raise self.error_class(f"{self.kind} {rank} did not start within {self.timeout_s:.0f}s")
+            firsts.append(conn.recv())
+        return firsts
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the workers: :meth:`stop_workers` with the subclass's stop message."""
+        raise NotImplementedError
 
     def dead(self) -> str | None:
         """Which worker exited, if one did."""
