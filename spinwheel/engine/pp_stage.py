@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -29,7 +28,7 @@ from spinwheel.engine import cpu_forward
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs
 from spinwheel.engine.multi_lora import AdapterRegistry
-from spinwheel.engine.tp_worker import pool_sizes
+from spinwheel.engine.tp_worker import checkpoint_config, pool_sizes
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import Block, RMSNorm, RotaryEmbedding, run_blocks
 
@@ -50,17 +49,9 @@ def check_pp_degree(config: ModelConfig, pp: int) -> None:
 
 
 def check_checkpoint_pp_degree(path_or_preset: str | os.PathLike, pp: int) -> None:
-    """:func:`check_pp_degree` on a checkpoint's ``config.json`` or a preset's config, before any weight is read."""
-    from spinwheel.models.hf import load_config
-    from spinwheel.models.hub import resolve_model_path
-    from spinwheel.models.presets import PRESETS, preset_config
-    from spinwheel.models.tokenizer import Tokenizer
-
-    path = Path(resolve_model_path(path_or_preset))
-    if (path / "config.json").is_file():
-        check_pp_degree(load_config(path), pp)
-    elif str(path_or_preset) in PRESETS and not path.exists():
-        check_pp_degree(preset_config(str(path_or_preset), Tokenizer.char_level().vocab_size), pp)
+    """:func:`check_pp_degree` on :func:`~spinwheel.engine.tp_worker.checkpoint_config`, before any weight is read."""
+    if (config := checkpoint_config(path_or_preset)) is not None:
+        check_pp_degree(config, pp)
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:

@@ -51,8 +51,9 @@ def check_tp_degree(config: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {' and '.join(bad)}")
 
 
-def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> None:
-    """:func:`check_tp_degree` on a checkpoint's ``config.json`` or a preset's config, before any weight is read."""
+def checkpoint_config(path_or_preset: str | os.PathLike) -> ModelConfig | None:
+    """A checkpoint's ``config.json`` or a preset's config (for the built-in tokenizer), read before any weight is,
+    so that a bad engine degree fails first; None for anything else (loading it then says what is wrong)."""
     from spinwheel.models.hf import load_config
     from spinwheel.models.hub import resolve_model_path
     from spinwheel.models.presets import PRESETS, preset_config
@@ -60,9 +61,16 @@ def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> No
 
     path = Path(resolve_model_path(path_or_preset))
     if (path / "config.json").is_file():
-        check_tp_degree(load_config(path), tp)
-    elif str(path_or_preset) in PRESETS and not path.exists():
-        check_tp_degree(preset_config(str(path_or_preset), Tokenizer.char_level().vocab_size), tp)
+        return load_config(path)
+    if str(path_or_preset) in PRESETS and not path.exists():
+        return preset_config(str(path_or_preset), Tokenizer.char_level().vocab_size)
+    return None
+
+
+def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> None:
+    """:func:`check_tp_degree` on :func:`checkpoint_config`, before any weight is read."""
+    if (config := checkpoint_config(path_or_preset)) is not None:
+        check_tp_degree(config, tp)
 
 
 @dataclass
