@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from spinwheel.rl.llm.episode_tokens import Episode
-from spinwheel.rl.llm.token_losses import _per_token, clipped_policy_loss, truncated_is_weights
+from spinwheel.rl.llm.token_losses import _per_token, _weighted_token_loss, clipped_policy_loss, truncated_is_weights
 from spinwheel.rl.losses import Stats
 
 
@@ -115,21 +115,8 @@ def cispo_loss(
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     terms = -clipped * adv * torch.where(weights != 0, logp, 0.0)
-    if is_weights is not None:
-        terms = terms * is_weights.detach()
-    loss = (weights * terms).sum()
-    with torch.no_grad():
-        w = weights.detach()
-        stats = {
-            "policy_loss": loss.detach(),
-            "clip_frac": (w * (clipped != ratio).to(w.dtype)).sum(),
-            "ratio_mean": (w * ratio).sum(),
-            "approx_kl": (w * (torch.expm1(log_ratio) - log_ratio)).sum(),
-            "weight_sum": w.sum(),
-        }
-        if is_weights is not None:
-            stats["is_weight_mean"] = (w * is_weights).sum()
-    return loss, stats
+    clip_frac = {"clip_frac": (clipped != ratio).to(weights.dtype)}
+    return _weighted_token_loss(terms, weights, is_weights, log_ratio, ratio, clip_frac)
 
 
 def token_versions(episodes: list[Episode], width: int, step: int) -> torch.Tensor:

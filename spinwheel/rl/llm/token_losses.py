@@ -134,18 +134,32 @@ def clipped_policy_loss(
     log_ratio = torch.where(weights != 0, logp - old_logp, 0.0)  # padding cannot overflow exp into 0 · inf
     ratio = log_ratio.exp()
     terms = ppo_clip_terms(ratio, adv, eps_low, eps_high)  # (B, T)
+    low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(weights.dtype)
+    high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(weights.dtype)
+    clipped = {"clip_frac_low": low, "clip_frac_high": high, "clip_frac": low + high}
+    return _weighted_token_loss(terms, weights, is_weights, log_ratio, ratio, clipped)
+
+
+def _weighted_token_loss(
+    terms: Tensor,
+    weights: Tensor,
+    is_weights: Tensor | None,
+    log_ratio: Tensor,
+    ratio: Tensor,
+    clipped: dict[str, Tensor],
+) -> tuple[Tensor, Stats]:
+    """``Σ w · ρ · terms`` over (B, T) tokens and the stats every token-level policy loss logs (weighted sums with
+    ``w``): ``policy_loss``, each (B, T) 0/1 indicator of ``clipped`` under its name, ``approx_kl`` (k3 estimate of
+    ``KL(π_old ‖ π)`` from ``log_ratio``), ``ratio_mean``, ``weight_sum``, ``is_weight_mean`` (with ``is_weights``,
+    the ``ρ``; 1 when omitted)."""
     if is_weights is not None:
         terms = terms * is_weights.detach()
     loss = (weights * terms).sum()
     with torch.no_grad():
         w = weights.detach()
-        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(w.dtype)
-        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(w.dtype)
         stats = {
             "policy_loss": loss.detach(),
-            "clip_frac_low": (w * low).sum(),
-            "clip_frac_high": (w * high).sum(),
-            "clip_frac": (w * (low + high)).sum(),
+            **{name: (w * indicator).sum() for name, indicator in clipped.items()},
             "approx_kl": (w * (torch.expm1(log_ratio) - log_ratio)).sum(),
             "ratio_mean": (w * ratio).sum(),
             "weight_sum": w.sum(),
