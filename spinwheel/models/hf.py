@@ -156,6 +156,7 @@ def load_model(
     seed: int = 0,
     vocab_size: int | None = None,
     merge_adapter: bool = True,
+    lazy: bool = False,
 ) -> Transformer:
     """Load a checkpoint directory or a Hugging Face Hub id (through the local HF cache, see
     :mod:`~spinwheel.models.hub`), or build a built-in preset (``tiny``, ``small``, ``test``) with random weights.
@@ -163,7 +164,9 @@ def load_model(
     A PEFT adapter directory (``adapter_config.json``) loads the base it names with the adapter folded in: the model
     the adapter run produced (see :func:`load_adapted`; ``merge_adapter=False`` keeps it as LoRA layers).
     ``dtype`` defaults to the checkpoint's ``torch_dtype``; presets use ``vocab_size`` (default: the built-in char
-    tokenizer's) and ``seed``.
+    tokenizer's) and ``seed``. ``lazy`` (a learner's model under torchrun): a checkpoint directory comes back on the
+    meta device, read piece by piece as ``parallelize`` shards it (:mod:`spinwheel.parallel.lazy_load`); presets
+    and adapter directories load whole.
     """
     from spinwheel.models.hub import resolve_model_path
     from spinwheel.models.presets import PRESETS, preset_config
@@ -183,8 +186,12 @@ def load_model(
         raise CheckpointError(f"{path}: checkpoint directory not found (or use a preset: {', '.join(PRESETS)})")
     config = load_config(path)
     model = check_config(path, config, tensor_shapes(path))  # before any tensor is read or memory allocated
-    state = load_state_dict(path)
     target = resolve_dtype(dtype) or _DTYPES.get(config.torch_dtype, torch.float32)
+    if lazy:
+        from spinwheel.parallel.lazy_load import lazy_model
+
+        return lazy_model(path, _weight_files(path), config, target, device)
+    state = load_state_dict(path)
     expected = [n for n in model.state_dict() if not (config.tie_word_embeddings and n == "lm_head.weight")]
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)

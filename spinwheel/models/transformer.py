@@ -302,6 +302,8 @@ def scalar_head_model(lm: Transformer, seed: int = 0, std: float | None = None) 
     """A reward model (or critic) initialised from the LM ``lm``: a copy of its body (embedding, blocks, final norm)
     under a fresh (1, C) score head drawn from normal(0, std), by default ``1 / sqrt(C + 1)`` as TRL's reward
     trainer does — small, so the initial scores are near zero. ``lm`` itself is left unchanged."""
+    if (lazy := getattr(lm, "_lazy_checkpoint", None)) is not None:  # on the meta device (parallel.lazy_load)
+        return lazy.scalar_head_model(lm, seed, std)
     config = dataclasses.replace(lm.config, num_labels=1, tie_word_embeddings=False, extra=dict(lm.config.extra))
     model = Transformer(config).to(device=lm.device, dtype=lm.dtype)
     body = {k: v for k, v in lm.state_dict().items() if not k.startswith("lm_head.")}

@@ -11,6 +11,7 @@ buffers).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,7 +28,9 @@ class UnitState(enum.Enum):
 
 class FlatParamUnit:
     """The parameters of one module (not inside another unit), flattened and sharded; ``compute_dtype`` is the dtype
-    they are gathered in (None: the parameters' own)."""
+    they are gathered in (None: the parameters' own). ``read_shard(params, lo, hi)``: elements [lo, hi) of the
+    flattened parameters (a lazy load's reader, :mod:`~spinwheel.parallel.lazy_load`), instead of the values the
+    parameters hold."""
 
     def __init__(
         self,
@@ -35,6 +38,7 @@ class FlatParamUnit:
         refs: list[tuple[str, nn.Module, str, nn.Parameter]],
         shard_axis: Axis,
         compute_dtype: torch.dtype | None = None,
+        read_shard: Callable[[list[torch.Tensor], int, int], torch.Tensor] | None = None,
     ) -> None:
         self.name = name
         self.axis = shard_axis
@@ -53,11 +57,15 @@ class FlatParamUnit:
         padded = self.shard_size * shard_axis.size
         self.split_sizes = self.sizes + [padded - numel]
         dtype, device = params[0].dtype, params[0].device
-        flat = torch.cat(
-            [p.detach().reshape(-1) for p in params] + [torch.zeros(padded - numel, dtype=dtype, device=device)]
-        )
-        r = shard_axis.rank
-        self.shard = nn.Parameter(flat[r * self.shard_size : (r + 1) * self.shard_size].clone())  # (s,)
+        lo, hi = shard_axis.rank * self.shard_size, (shard_axis.rank + 1) * self.shard_size
+        if read_shard is None:
+            flat = torch.cat(
+                [p.detach().reshape(-1) for p in params] + [torch.zeros(padded - numel, dtype=dtype, device=device)]
+            )
+            self.shard = nn.Parameter(flat[lo:hi].clone())  # (s,)
+        else:  # a lazy load (parameters on the meta device): only this rank's elements are read
+            self.shard = nn.Parameter(read_shard(params, lo, hi))
+            flat = torch.empty(padded, dtype=compute_dtype or dtype, device=self.shard.device)  # no pages touched
         # The gathered flat buffer is an autograd leaf whose storage comes and goes.
         self.full = flat.to(compute_dtype or dtype).requires_grad_(True)  # (N·s,)
         self.nbytes = self.full.untyped_storage().nbytes()

@@ -33,6 +33,7 @@ Activation re-materialisation composes: recomputation runs inside backward, afte
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from spinwheel.parallel.ddp import broadcast_module
 from spinwheel.parallel.flat_param import FlatParamUnit, UnitState
 from spinwheel.parallel.mesh import Axis
 from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from spinwheel.parallel.lazy_load import LoadPlan
 
 
 def _in_backward() -> bool:
@@ -56,7 +60,8 @@ class FullyShardedDataParallel(nn.Module):
     parameters form the root unit. ``prefetch`` overlaps the next unit's all-gather with compute; ``reshard_root``
     frees the root unit after forward too (ZeRO-3 accounting: every parameter gathered twice per step).
     ``mixed_precision``: compute and reduce dtypes (default: the parameters' own); ``buffer_mb``: constant-size
-    staging buffers for the collectives (None: one collective per unit).
+    staging buffers for the collectives (None: one collective per unit). ``loader``: a lazy load's reads
+    (:mod:`~spinwheel.parallel.lazy_load`): each rank reads only its shard of each unit.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class FullyShardedDataParallel(nn.Module):
         broadcast: bool = True,
         mixed_precision: MixedPrecisionPolicy | None = None,
         buffer_mb: float | None = None,
+        loader: LoadPlan | None = None,
     ) -> None:
         super().__init__()
         self.module, self.comm = module, comm
@@ -88,13 +94,15 @@ class FullyShardedDataParallel(nn.Module):
         first = next(p for p in module.parameters() if p.requires_grad)
         self.policy = mixed_precision or MixedPrecisionPolicy()
         self.compute_dtype = self.policy.compute_dtype(first.dtype)
+        self.loader = loader
         self.units = self._build_units(unit_modules)  # forward order; the root unit is last
+        device = self.units[0].shard.device  # ``first`` is on the meta device under a lazy load
         self.root = self.units[-1]
         self.flat_shards = nn.ParameterList([u.shard for u in self.units])
         self.buffers = CommBuffers(
-            shard_axis, comm, self.compute_dtype, self.policy.comm_dtype(first.dtype), first.device, buffer_mb
+            shard_axis, comm, self.compute_dtype, self.policy.comm_dtype(first.dtype), device, buffer_mb
         )
-        self.grads = GradBuffer([u.shard_size for u in self.units], first.dtype, first.device)
+        self.grads = GradBuffer([u.shard_size for u in self.units], first.dtype, device)
         self.peak_gathered_bytes = 0  # the most compute-parameter bytes gathered at once so far
         self._pending: list[PendingOp] = []
         self._reduced: set[int] = set()  # units whose gradient this backward reduced
@@ -124,9 +132,13 @@ class FullyShardedDataParallel(nn.Module):
         for i, r in enumerate(refs):
             if not r:
                 raise ValueError(f"FSDP unit {i} has no trainable parameters")
-            name = "root" if i == len(unit_modules) else f"unit{i}"
-            units.append(FlatParamUnit(name, r, self.shard_axis, self.compute_dtype))
+            units.append(self._flat_unit("root" if i == len(unit_modules) else f"unit{i}", r))
         return units
+
+    def _flat_unit(self, name: str, refs: list) -> FlatParamUnit:
+        """One unit flattened and sharded; under a lazy load only this rank's shard of it is read."""
+        reader = self.loader.read_shard if self.loader is not None else None
+        return FlatParamUnit(name, refs, self.shard_axis, self.compute_dtype, read_shard=reader)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def _unshard(self, i: int, async_op: bool = False) -> None:

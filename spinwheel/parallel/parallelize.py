@@ -3,7 +3,9 @@
 1. **pipeline cut** — keep only this rank's stage (:class:`~spinwheel.parallel.pipeline.PipelineStage`); later steps
    see only the stage's layers;
 2. **tensor parallelism** — swap in column/row/vocab-parallel layers (they must exist before anything flattens or
-   wraps the parameters; LoRA projections get :mod:`~spinwheel.parallel.tensor_lora`'s, factors split with W);
+   wraps the parameters; LoRA projections get :mod:`~spinwheel.parallel.tensor_lora`'s, factors split with W); a
+   lazily loaded model (:mod:`~spinwheel.parallel.lazy_load`, on the meta device) reads its weights here — its TP
+   slices and its stage's layers, or under ZeRO-3 / FSDP each rank only its shard, unit by unit, in step 4;
 3. **re-materialisation** — checkpoint each block, segments of k blocks or the whole stage (inside TP, so
    recomputation re-runs TP's collectives and may keep its checkpoints partitioned over the TP group, and inside the
    data-parallel wrapper, whose hooks sit around each block's call); optionally with every checkpoint in one
@@ -25,6 +27,7 @@ from torch import nn
 from spinwheel.parallel.config import check_data_parallel, check_remat
 from spinwheel.parallel.ddp import DistributedDataParallel
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
+from spinwheel.parallel.lazy_load import LoadPlan, lazy_source
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
 from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage
@@ -95,27 +98,22 @@ def parallelize(
             )
         stage = PipelineStage(model, dims.pp_axis.rank, dims.pp)
     shard_dims = apply_tensor_parallel(stage, dims.tp_axis, comm, lora_column_layer, lora_row_layer)
+    loader = lazy_reads(model, stage, shard_dims, dims, fully_sharded=fsdp or zero == 3)
     buffer = CheckpointBuffer() if remat_contiguous else None
     if remat != "none":
         offload = remat_partition == "tp-cpu"
         partitioned = remat_partition != "none"
         store = PartitionedInput(dims.tp_axis, comm, offload, buffer) if partitioned else WholeInput(buffer)
         apply_remat(stage, remat, remat_k, store)
+    sharded = dict(mixed_precision=mixed_precision, buffer_mb=fsdp_buffer_mb, broadcast=loader is None, loader=loader)
     if fsdp:
+        replicate, dp_axis = dims.dp_replicate_axis, dims.dp_axis
         module: nn.Module = FullyShardedDataParallel(
-            stage,
-            dims.dp_shard_axis,
-            comm,
-            replicate_axis=dims.dp_replicate_axis,
-            dp_axis=dims.dp_axis,
-            mixed_precision=mixed_precision,
-            buffer_mb=fsdp_buffer_mb,
+            stage, dims.dp_shard_axis, comm, replicate_axis=replicate, dp_axis=dp_axis, **sharded
         )
         kind = "hsdp" if dims.dp_replicate > 1 else "fsdp"
     elif zero == 3:
-        module = FullyShardedDataParallel(
-            stage, dims.dp_axis, comm, prefetch=False, mixed_precision=mixed_precision, buffer_mb=fsdp_buffer_mb
-        )
+        module = FullyShardedDataParallel(stage, dims.dp_axis, comm, prefetch=False, **sharded)
         kind = "zero3"
     elif zero in (1, 2):
         module = ZeroDataParallel(stage, dims.dp_axis, comm, stage=zero, bucket_mb=bucket_mb)
@@ -125,3 +123,18 @@ def parallelize(
         kind = "ddp"
     pipeline = PipelineSchedule(stage, dims.pp_axis, comm, schedule, dtype=dtype) if dims.pp > 1 else None
     return ParallelModel(module, stage, dims, kind, shard_dims, pipeline, buffer)
+
+
+def lazy_reads(
+    model: nn.Module, stage: nn.Module, shard_dims: dict[str, int], dims: ParallelDims, fully_sharded: bool
+) -> LoadPlan | None:
+    """A lazily loaded model (:mod:`~spinwheel.parallel.lazy_load`) reads its weights now, after the pipeline cut
+    and the TP swap: the stage's TP slices and replicated pieces, or under ZeRO-3 / FSDP (the returned plan) each
+    rank its shard of one unit at a time as the wrapper builds it. None for a model loaded whole."""
+    source = lazy_source(model)
+    if source is None:
+        return None
+    loader = source.plan(stage, shard_dims, dims.tp_axis.size, dims.tp_axis.rank)
+    if not fully_sharded:
+        loader.materialise(stage)
+    return loader

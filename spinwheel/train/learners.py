@@ -14,7 +14,6 @@ without TP/PP), else a full copy that :meth:`ParallelLearner.sync_engine_model` 
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -33,6 +32,7 @@ from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer, token_logprobs
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
+from spinwheel.parallel.lazy_load import materialised_copy
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.run_group import run_group
 from spinwheel.parallel.token_outputs import TokenOutputs, is_scalar_head
@@ -179,7 +179,7 @@ class ParallelLearner:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         wants = engine_copy == "all" or (engine_copy == "main" and self.is_main)
-        copy_before = copy.deepcopy(model) if wants else None  # before parallelize cuts and shards ``model``
+        copy_before = materialised_copy(model) if wants else None  # before parallelize cuts and shards ``model``
 
         def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
             # The trainer applies the weight decay (matrices only), as build_adamw's parameter groups do.

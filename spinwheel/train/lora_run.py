@@ -35,6 +35,7 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.lora import adapters_disabled, apply_lora, lora_layers, lora_parameters
 from spinwheel.models.lora_io import load_adapter
 from spinwheel.models.transformer import Transformer
+from spinwheel.parallel.lazy_load import load_figures
 from spinwheel.train.learners import Learner
 
 if TYPE_CHECKING:
@@ -63,8 +64,9 @@ def check_one_process(config: RunConfig, distributed: bool, command: str) -> Non
 def load_run_model(config: RunConfig, run: Run, **load: Any) -> Transformer:
     """The LM a run trains: ``--model``, or the checkpoint it resumes from. With ``--lora-rank`` the base is always
     ``--model`` (a LoRA checkpoint holds only the adapters), under fresh adapters or the checkpoint's. ``load`` goes
-    to :func:`~spinwheel.models.hf.load_model`."""
+    to :func:`~spinwheel.models.hf.load_model`; its ``lazy`` (a learner under torchrun) holds without LoRA."""
     lora = config.lora_config()
+    load["lazy"] = load.get("lazy", False) and lora is None  # LoRA: adapters are drawn on a materialised base
     model = load_model(run.ckpt_dir if run.resumed and lora is None else config.model, **load)
     if lora is not None and run.resumed:
         load_adapter(model, run.ckpt_dir)
@@ -114,6 +116,12 @@ class AdaptersOff:
     def forward(self, batch: dict[str, torch.Tensor], *, entropy: bool = False) -> dict[str, torch.Tensor]:
         with adapters_disabled(self.model):
             return self.learner.forward(batch, entropy=entropy)
+
+
+def start_figures(model: Transformer) -> dict[str, float]:
+    """What a run logs at step 0 about its model: :func:`sync_figures` and, for a lazily loaded one, the load's peak
+    (:func:`~spinwheel.parallel.lazy_load.load_figures`: ``load_peak_mb`` against ``model_mb``)."""
+    return {**sync_figures(model), **load_figures(model)}
 
 
 def sync_figures(model: Transformer) -> dict[str, float]:

@@ -97,9 +97,8 @@ def load_sft_model(config: SFTConfig, run: Run, vocab_size: int) -> Transformer:
     """The model SFT starts from: ``--model``, or the checkpoint it resumes from; with ``--lora-rank`` the base
     ``--model`` names under fresh adapters or the checkpoint's (:func:`~spinwheel.train.lora_run.load_run_model`)."""
     torch.manual_seed(config.seed)
-    return load_run_model(
-        config, run, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=vocab_size
-    )
+    load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=vocab_size)
+    return load_run_model(config, run, **load, lazy=run.distributed)  # torchrun: read as it is sharded
 
 
 class SFTJob:

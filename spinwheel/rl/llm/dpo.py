@@ -196,6 +196,7 @@ def _train(config: DPOConfig, run: Run, dims: ParallelDims | None) -> dict[str, 
     tokenizer = load_tokenizer(run.ckpt_dir if run.resumed else config.model)
     pad_id = tokenizer.pad_id or 0
     load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
+    load["lazy"] = dims is not None  # the learners' models under torchrun: read as they are sharded (lazy_load.py)
     check_one_process(config, dims is not None, "dpo")
     policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
     if policy.config.num_labels is not None:

@@ -44,7 +44,7 @@ from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_
 from spinwheel.rl.llm.weight_sync import engine_sync_figures
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
-from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, sync_figures
+from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, start_figures
 from spinwheel.train.run import Run, StepFailed
 
 
@@ -97,6 +97,7 @@ class RLJob:
         self.tokenizer = tokenizer = load_tokenizer(run.ckpt_dir if run.resumed else config.model)
         self.pad_id = tokenizer.pad_id or 0
         load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
+        load["lazy"] = dims is not None  # the learners' models under torchrun: read as they are sharded (lazy_load)
         check_one_process(config, dims is not None, config.algo)
         self.engine_tp_size, self.engine_tp = check_engine_tp(config, dims), None  # --engine-tp N: engine_tp.py
         if config.max_staleness is not None and dims is not None and placement is None:
@@ -134,7 +135,7 @@ class RLJob:
             counts = {"num_train": self.num_train, "num_eval": self.num_eval}
             trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
             run.log(
-                {"step": 0, "algo": config.algo, **counts, "num_trainable_params": trainable, **sync_figures(policy)}
+                {"step": 0, "algo": config.algo, **counts, "num_trainable_params": trainable, **start_figures(policy)}
             )
 
     def make_learner(self, model, optim: OptimConfig | None) -> Learner:

@@ -185,9 +185,8 @@ def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, A
     pad_id = tokenizer.pad_id or 0
     check_one_process(config, dims is not None, "rm")
     source = run.ckpt_dir if run.resumed and not config.lora_rank else config.model  # LoRA: resumed on the base
-    model = load_model(
-        source, dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size
-    )
+    load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
+    model = load_model(source, **load, lazy=dims is not None and not config.lora_rank)  # lazy: lazy_load.py
     if model.config.num_labels is None:
         model = scalar_head_model(model, seed=config.seed)
     model = adapt_scalar_head(model, config, run.state)  # --lora-rank: adapters on the body, the head trained
