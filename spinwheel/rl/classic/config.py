@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from spinwheel.config import option
+from spinwheel.config import check_ranges, option
 
 # Per-algorithm defaults for the fields left at None. VPG and TRPO (the algorithms with a separately fitted value
 # baseline, baseline.py) share most: 4 environments, GAE λ 0.97 (Spinning Up's), 10 epochs of the critic's fit per
@@ -124,43 +124,43 @@ class ClassicConfig:
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
         self.hidden_sizes = tuple(self.hidden_sizes)
+        check_ranges(
+            self,
+            at_least_1=("num_envs", "num_steps", "minibatch_size", "cg_iters", "backtrack_iters", "num_threads"),
+            non_negative=("update_epochs", "penalty_kl_target", "cg_damping", "eval_episodes"),
+            positive=(
+                "vf_lr",
+                "clip_range",
+                "penalty_beta",
+                "clip_range_vf",
+                "target_kl",
+                "max_kl",
+                "clip_obs",
+                "clip_reward",
+            ),
+            fraction=("gamma",),
+            unit_interval=("gae_lambda",),
+            open_unit_interval=("backtrack_coef",),
+            name=str,
+            ge="≥",
+        )
         checks = [
-            (self.num_envs >= 1, f"num_envs must be ≥ 1, got {self.num_envs}"),
-            (self.num_steps >= 1, f"num_steps must be ≥ 1, got {self.num_steps}"),
             (
                 self.steps >= self.num_envs * self.num_steps,
                 f"steps ({self.steps}) is less than one rollout (num_envs × num_steps = "
                 f"{self.num_envs * self.num_steps}); raise --steps or lower --num-steps / --num-envs",
             ),
-            (0.0 < self.gamma <= 1.0, f"gamma must be in (0, 1], got {self.gamma}"),
-            (0.0 <= self.gae_lambda <= 1.0, f"gae_lambda must be in [0, 1], got {self.gae_lambda}"),
             (
                 len(self.hidden_sizes) > 0 and all(h > 0 for h in self.hidden_sizes),
                 f"hidden_sizes must be positive widths, got {self.hidden_sizes}",
             ),
-            (self.minibatch_size >= 1, f"minibatch_size must be ≥ 1, got {self.minibatch_size}"),
-            (self.update_epochs >= 0, f"update_epochs must be ≥ 0, got {self.update_epochs}"),
             (self.algo != "ppo" or self.update_epochs >= 1, "ppo needs update_epochs ≥ 1"),
             (self.algo == "trpo" or self.lr > 0, f"lr must be > 0 for {self.algo}, got {self.lr}"),
-            (self.vf_lr > 0, f"vf_lr must be > 0, got {self.vf_lr}"),
-            (self.clip_range > 0, f"clip_range must be > 0, got {self.clip_range}"),
             (
                 self.ppo_variant in ("clip", "penalty"),
                 f"ppo_variant must be 'clip' or 'penalty', got {self.ppo_variant!r}",
             ),
             (self.algo == "ppo" or self.ppo_variant == "clip", f"ppo_variant applies to --algo ppo, not {self.algo}"),
-            (self.penalty_beta > 0, f"penalty_beta must be > 0, got {self.penalty_beta}"),
-            (self.penalty_kl_target >= 0, f"penalty_kl_target must be ≥ 0, got {self.penalty_kl_target}"),
-            (self.clip_range_vf is None or self.clip_range_vf > 0, "clip_range_vf must be > 0 or None"),
-            (self.target_kl is None or self.target_kl > 0, "target_kl must be > 0 or None"),
-            (self.max_kl > 0, f"max_kl (δ) must be > 0, got {self.max_kl}"),
-            (self.cg_iters >= 1, f"cg_iters must be ≥ 1, got {self.cg_iters}"),
-            (self.cg_damping >= 0, f"cg_damping must be ≥ 0, got {self.cg_damping}"),
-            (0 < self.backtrack_coef < 1, f"backtrack_coef must be in (0, 1), got {self.backtrack_coef}"),
-            (self.backtrack_iters >= 1, f"backtrack_iters must be ≥ 1, got {self.backtrack_iters}"),
-            (self.clip_obs > 0 and self.clip_reward > 0, "clip_obs and clip_reward must be > 0"),
-            (self.eval_episodes >= 0, f"eval_episodes must be ≥ 0, got {self.eval_episodes}"),
-            (self.num_threads >= 1, f"num_threads must be ≥ 1, got {self.num_threads}"),
         ]
         for ok, message in checks:
             if not ok:
