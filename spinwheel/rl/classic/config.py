@@ -128,16 +128,7 @@ class ClassicConfig:
             self,
             at_least_1=("num_envs", "num_steps", "minibatch_size", "cg_iters", "backtrack_iters", "num_threads"),
             non_negative=("update_epochs", "penalty_kl_target", "cg_damping", "eval_episodes"),
-            positive=(
-                "vf_lr",
-                "clip_range",
-                "penalty_beta",
-                "clip_range_vf",
-                "target_kl",
-                "max_kl",
-                "clip_obs",
-                "clip_reward",
-            ),
+            positive=("vf_lr", "clip_range", "penalty_beta", "clip_range_vf", "target_kl", "max_kl"),
             fraction=("gamma",),
             unit_interval=("gae_lambda",),
             open_unit_interval=("backtrack_coef",),
@@ -161,6 +152,7 @@ class ClassicConfig:
                 f"ppo_variant must be 'clip' or 'penalty', got {self.ppo_variant!r}",
             ),
             (self.algo == "ppo" or self.ppo_variant == "clip", f"ppo_variant applies to --algo ppo, not {self.algo}"),
+            (self.clip_obs > 0 and self.clip_reward > 0, "clip_obs and clip_reward must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
