@@ -249,15 +249,22 @@ def special_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> dict[
     }
 
 
-def save_pretrained(
-    model: Transformer, path: str | os.PathLike, shard_size_bytes: int | None = None, tokenizer: Tokenizer | None = None
-) -> None:
-    """Write ``config.json``, ``generation_config.json`` and safetensors (sharded when ``shard_size_bytes`` is set
-    and exceeded), and ``tokenizer``'s files when given (its special-token ids then go into both configs)."""
+SAFETENSORS_METADATA = {"format": "pt"}
+
+
+def hf_tensor_name(name: str, config: ModelConfig) -> str | None:
+    """The name ``model.safetensors`` stores the state-dict entry ``name`` under (:func:`hf_key`); None for what
+    it leaves out: the RoPE buffer (computed) and a tied head (it is the embedding)."""
+    if name.startswith("rotary.") or (config.tie_word_embeddings and name == "lm_head.weight"):
+        return None
+    return hf_key(name, config.num_labels is not None)
+
+
+def save_config(config: ModelConfig, path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> None:
+    """Write ``config.json`` and ``generation_config.json`` (with the special-token ids) and ``tokenizer``'s files:
+    a checkpoint directory without its tensors."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    config.torch_dtype = str(model.dtype).removeprefix("torch.")
     ids = special_token_ids(config, tokenizer)
     (path / "config.json").write_text(json.dumps({**config.to_hf_dict(), **ids}, indent=2, sort_keys=True) + "\n")
     if config.num_labels is None and any(v is not None for v in ids.values()):  # a scalar head generates nothing
@@ -265,14 +272,22 @@ def save_pretrained(
         (path / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+def save_pretrained(
+    model: Transformer, path: str | os.PathLike, shard_size_bytes: int | None = None, tokenizer: Tokenizer | None = None
+) -> None:
+    """Write ``config.json``, ``generation_config.json`` and safetensors (sharded when ``shard_size_bytes`` is set
+    and exceeded), and ``tokenizer``'s files when given (its special-token ids then go into both configs)."""
+    path = Path(path)
+    config = model.config
+    config.torch_dtype = str(model.dtype).removeprefix("torch.")
+    save_config(config, path, tokenizer)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        if name.startswith("rotary."):
-            continue
-        tensors[hf_key(name, config.num_labels is not None)] = t.detach().to("cpu").contiguous()
-    metadata = {"format": "pt"}
+        if (key := hf_tensor_name(name, config)) is not None:
+            tensors[key] = t.detach().to("cpu").contiguous()
+    metadata = SAFETENSORS_METADATA
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if shard_size_bytes is None or total <= shard_size_bytes:
         save_file(tensors, str(path / "model.safetensors"), metadata=metadata)

@@ -6,7 +6,8 @@ FSDP/ZeRO-3, tensor-parallel slices, its pipeline stage — its optimizer state 
 
 ``full_state_dict`` undoes the layout collectively: FSDP units are all-gathered, tensor-parallel slices concatenated
 along their split dim, pipeline stages exchanged; every rank gets every parameter under its original name.
-``save_hf`` then writes ``config.json`` + safetensors from rank 0 through :func:`spinwheel.models.hf.save_pretrained`.
+``save_hf`` writes the full HF checkpoint from rank 0 without that: tensor by tensor, each gathered to rank 0 alone
+(:mod:`~spinwheel.parallel.streamed_save`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
 from spinwheel.parallel.parallelize import ParallelModel
 from spinwheel.parallel.run_group import run_group
+from spinwheel.parallel.streamed_save import SaveStats, save_streamed
 from spinwheel.parallel.zero import ZeroDataParallel
 
 
@@ -122,19 +124,9 @@ def full_state_dict(pm: ParallelModel, trained_only: bool = False) -> dict[str, 
     return full
 
 
-def save_hf(pm: ParallelModel, path: str | os.PathLike) -> None:
-    """Consolidate the parallel model into a full HF checkpoint at ``path`` (collective; rank 0 writes)."""
-    from spinwheel.models.hf import save_pretrained
-    from spinwheel.models.transformer import Transformer
-
-    state = full_state_dict(pm)
-    if pm.dims.rank == 0:
-        model = Transformer(pm.stage.config)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("rotary")]
-        if missing or unexpected:
-            raise RuntimeError(
-                f"consolidated state does not match the model: missing {missing}, unexpected {unexpected}"
-            )
-        save_pretrained(model, path)
+def save_hf(pm: ParallelModel, path: str | os.PathLike) -> SaveStats:
+    """Consolidate the parallel model into a full HF checkpoint at ``path`` (collective; rank 0 writes), tensor by
+    tensor: no rank holds the full model (:mod:`~spinwheel.parallel.streamed_save`). Returns this rank's figures."""
+    stats = save_streamed(pm, path if pm.dims.rank == 0 else None)
     _barrier(pm)
+    return stats

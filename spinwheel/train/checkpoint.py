@@ -49,18 +49,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(
     path: str | os.PathLike,
-    model: Transformer,
+    model: Transformer | None,
     tokenizer: Tokenizer | None,
     trainer_state: dict[str, Any] | None = None,
     extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a checkpoint directory atomically; returns its path. ``extra(tmp)`` may add files to the temporary
-    directory before it replaces the target (the parallel trainer's sharded state)."""
+    directory before it replaces the target (the parallel trainer's sharded state; with ``model`` None the model's
+    files too: a parallel learner's streamed save)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        if lora_layers(model) and model.config.num_labels is not None:  # a reward model: HF's files, merged
+        if model is None:
+            pass  # ``extra`` writes them
+        elif lora_layers(model) and model.config.num_labels is not None:  # a reward model: HF's files, merged
             save_pretrained(merge(copy.deepcopy(model)), tmp, tokenizer=tokenizer)
         elif lora_layers(model):
             save_adapter(model, tmp)

@@ -34,16 +34,14 @@ from spinwheel.parallel.config import ParallelConfig
 from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
 from spinwheel.parallel.lazy_load import materialised_copy
 from spinwheel.parallel.mesh import ParallelDims
-from spinwheel.parallel.run_group import run_group
 from spinwheel.parallel.token_outputs import TokenOutputs, is_scalar_head
 from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResult
 from spinwheel.train.checkpoint import rng_state, save_checkpoint, set_rng_state
 from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS, adamw_kernel, build_adamw, decays, set_lr
+from spinwheel.train.parallel_checkpoint import SHARDED_DIR, save_parallel
 from spinwheel.train.shared_prompts import PACKING_MARGIN, SharedPrompts, plain_cost, shared_prompt_outputs
 
 logger = logging.getLogger(__name__)
-
-SHARDED_DIR = "sharded"
 
 
 @dataclass(frozen=True)
@@ -250,25 +248,10 @@ class ParallelLearner:
         set_rng_state(torch.load(shards / f"rng{self.rank:05d}.pt", map_location="cpu", weights_only=False))
 
     def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None:
-        """Write the checkpoint (collective): rank 0 the HF files and trainer_state.pt, every rank its shards."""
-        full = self.trainer.full_state_dict(self.frozen_base)
-        if self.is_main:
-            model = self.engine_model  # none kept (the RL loop's --engine-tp): one built for the HF files only
-            model = model if model is not None else Transformer(self.trainer.model_config)
-            if not self.shares_weights:
-                model.load_state_dict(full, strict=not self.frozen_base)
-            save_checkpoint(ckpt_dir, model, tokenizer, state, extra=self._save_shards)
-        else:
-            self._save_shards(None)
-        dist.barrier(group=run_group())  # the rename is done before any rank reads or writes the directory again
-
-    def _save_shards(self, tmp: Path | None) -> None:
-        where = [str(tmp) if tmp is not None else None]
-        dist.broadcast_object_list(where, src=0, group=run_group())  # rank 0's temporary checkpoint directory
-        shards = Path(where[0]) / SHARDED_DIR
-        shards.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), shards / f"rng{self.rank:05d}.pt")
-        self.trainer.save(str(shards))  # ends in a barrier: every shard is written before rank 0 renames
+        """Write the checkpoint (collective; :func:`~spinwheel.train.parallel_checkpoint.save_parallel`: streamed
+        tensor by tensor where no rank holds the full weights); ``save_stats``: each rank's figures of a streamed
+        save (``save_peak_mb``, ``save_model_mb``, ``save_s``), by rank."""
+        self.save_stats = save_parallel(self, ckpt_dir, tokenizer, state)
 
 
 def minibatch_updates(
