@@ -1,5 +1,5 @@
 """Streamed consolidated saves (issue 26, spinwheel/parallel/streamed_save.py): on 2 spawned ranks under ZeRO-3,
-FSDP, TP 2 and PP 2, ``save_hf`` writes ``model.safetensors`` tensor by tensor without any rank holding the model.
+FSDP, HSDP, TP 2 and PP 2, ``save_hf`` writes ``model.safetensors`` tensor by tensor without any rank holding the model.
 
 Reference: today's gathering path — :func:`full_state_dict` on every rank, a full ``Transformer`` on rank 0 written
 by ``save_pretrained``. The streamed file equals that file byte for byte (header, names, dtypes, data), loads with
@@ -26,6 +26,7 @@ from spinwheel.parallel.checkpoint import full_state_dict, save_hf
 LAYOUTS = [
     ("zero3", dict(zero=3), False),
     ("fsdp-tied", dict(fsdp=True), True),
+    ("hsdp-replicas", dict(hsdp=1), False),  # shard groups of 1, 2 replicas: replica 1 takes no part
     ("tp2-tied", dict(tp=2), True),
     ("pp2", dict(pp=2, microbatches=2), False),
 ]
@@ -104,7 +105,7 @@ def test_no_rank_materialises_the_model(saved, name):
     s0, s1 = results[0][name], results[1][name]
     assert s0.model_bytes == s1.model_bytes == sum(t.numel() * t.element_size() for t in full.values())
     assert s0.peak_bytes < s0.model_bytes / 2, (name, s0)
-    if name.startswith(("zero3", "fsdp")):
+    if name.startswith(("zero3", "fsdp", "hsdp")):
         assert s0.peak_bytes == biggest and s1.peak_bytes == 0, (name, s0, s1, biggest)
     elif name.startswith("tp"):
         assert biggest <= s0.peak_bytes <= 1.5 * biggest and s1.peak_bytes == 0, (name, s0, s1, biggest)
