@@ -6,15 +6,17 @@ The engine's shard on rank r of an N-way group is the Megatron split of
 :func:`~spinwheel.parallel.tensor.apply_tensor_parallel` (column layers: rows r·out/N..; row layers: columns
 r·in/N..; vocabulary rows r·V/N..; norms and row-layer biases whole). :func:`empty_shard` builds it without any
 full weight (on the meta device, then only the shard's storage). :class:`Resharder` fills it from the trainer, per
-source layout (the world is the engine's N ranks, rank r = engine rank r):
+source layout (a world of M·N ranks holds M engines; global rank g·N + r is engine rank r of engine g):
 
-* trainer ``--tp N``: the trainer's tensor-parallel slices *are* the engine's — each rank copies its own, no
-  communication;
-* DDP / ZeRO-1/2 over ``dp N``: every rank holds the full weights already — it copies its slice of each;
-* ZeRO-3 / FSDP / HSDP over ``dp N``: unit by unit (one block, or the root: embedding, norm, head) and within a
-  unit bucket by bucket (``bucket_mb``), the flat shards are all-gathered into one temporary buffer, the rank
-  keeps the parts of its slices the buffer holds and frees it before the next — the most a rank materialises at
-  once is one bucket (at most its largest unit), never the model.
+* trainer ``--tp N`` (× any dp, the TP groups being the engines): the trainer's tensor-parallel slices *are* the
+  engine's — each rank copies its own, no communication (under ZeRO-3 / FSDP over the dp ranks the slices are
+  gathered over them as below, whole);
+* DDP / ZeRO-1/2 over any dp: every rank holds the full weights already — it copies its slice of each;
+* ZeRO-3 / FSDP / HSDP over any dp (``dp W``, or ``dp_shard`` under HSDP): unit by unit (one block, or the root:
+  embedding, norm, head) and within a unit bucket by bucket (``bucket_mb``), the flat shards are all-gathered over
+  the trainer's sharding group into one temporary buffer, the rank keeps the parts of its engine rank's slices the
+  buffer holds and frees it before the next — the most a rank materialises at once is one bucket (at most its
+  largest unit), never the model.
 
 :meth:`Resharder.sync` returns the largest temporary it materialised (bytes): the per-rank peak the RL loop logs.
 """
@@ -83,10 +85,11 @@ class Resharder:
         axis: Axis,
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
-        if pm.dims.pp > 1 or pm.dims.tp not in (1, axis.size) or pm.dims.tp * pm.dims.dp != axis.size:
+        n, d = axis.size, pm.dims
+        if d.pp > 1 or d.tp not in (1, n) or d.world_size % n:
             raise ValueError(
-                f"resharding into engine TP {axis.size} needs the trainer on dp {axis.size} or tp {axis.size} alone, "
-                f"got dp {pm.dims.dp}, tp {pm.dims.tp}, pp {pm.dims.pp}"
+                f"resharding into engine TP {n} needs no pipeline stages, the trainer's tp 1 or {n} and a world "
+                f"that {n} divides; got dp {d.dp}, tp {d.tp}, pp {d.pp}, world {d.world_size}"
             )
         if pm.dims.tp > 1 and (pm.dims.tp_axis.ranks != axis.ranks or pm.dims.tp_axis.rank != axis.rank):
             raise ValueError("the trainer's tensor-parallel ranks must be the engine's, in the same order")

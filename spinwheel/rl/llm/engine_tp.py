@@ -1,18 +1,22 @@
 """``--engine-tp N`` under torchrun: the RL run's engine is tensor-parallel across the training ranks themselves.
 
-Without it every rank gathers the full model into an engine copy of its own after each update. With it the N
-ranks (the whole world, for now) hold one engine between them: rank r holds engine shard r (1/N of every weight
-matrix and of every KV block, :mod:`~spinwheel.engine.tp_worker`'s split), filled after each update by resharding
-the trainer's layout (:class:`~spinwheel.engine.tp_reshard.Resharder`: own TP slices copied, or ZeRO-3/FSDP units
-gathered one at a time and sliced), so no rank ever holds the whole model.
+Without it every rank gathers the full model into an engine copy of its own after each update. With it a world
+of M·N ranks holds M engines of N shards each: engine g is ranks [g·N, (g+1)·N) (under a trainer ``--tp N``: its
+tensor-parallel groups), and its rank g·N + r holds engine shard r (1/N of every weight matrix and of every KV
+block, :mod:`~spinwheel.engine.tp_worker`'s split), filled after each update by resharding the trainer's layout
+(:class:`~spinwheel.engine.tp_reshard.Resharder`: own TP slices copied, or ZeRO-3/FSDP units gathered over the
+trainer's dp group bucket by bucket and sliced), so no rank ever holds the whole model.
 
-The step loop: rank 0 is the driver — it runs the scheduler, the sampler, the environments and the rewards for
-*all* of the step's groups (seeded per group as in one process, so the rollouts equal one process's), and ships
-each engine step to the others through a broadcast on a gloo control group (the pattern of
-:class:`~spinwheel.engine.tp_executor.TPExecutor`, with torchrun's ranks instead of spawned workers); the other
-ranks serve those steps (forward on their shard, the all-reduces, the logits' all-gather) until rank 0 says the
-episodes are done, then every rank receives the episodes by broadcast and trains on them as before. Evaluation
-runs the same way. Every wait has the run's collective timeout (``--timeout-s``).
+The step loop: each engine's first rank is its driver — it runs the scheduler, the sampler, the environments and
+the rewards for its engine's share of the step's groups (the data-parallel share of
+:func:`~spinwheel.rl.llm.rollout.dp_share` over the M engines, each group seeded by its global index as in one
+process, so the rollouts equal one process's), and ships each engine step to its engine's other ranks through a
+broadcast on the engine's gloo control group (the pattern of :class:`~spinwheel.engine.tp_executor.TPExecutor`,
+with torchrun's ranks instead of spawned workers); those ranks serve the steps (forward on their shard, the
+all-reduces, the logits' all-gather) until the driver says the episodes are done. The drivers then gather their
+episodes (a gloo group of the M drivers) and broadcast them within their engines: every rank trains on all of
+them as before. Evaluation runs on engine 0 alone (the other engines' ranks go on). Every wait has the run's
+collective timeout (``--timeout-s``).
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ from spinwheel.parallel.mesh import Axis, ParallelDims
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SUPPORTED = "DDP, --zero 1/2/3, --fsdp or --hsdp over dp N, or --tp N (no --pp)"
+SUPPORTED = "DDP, --zero 1/2/3, --fsdp or --hsdp over any dp, or --tp N (× any dp; no --pp)"
 
 
 def check_engine_tp(config, dims: ParallelDims | None) -> int:
     """The RL engine's tensor-parallel degree N (1: off); refuses in one line, before any weight is loaded, what
-    ``--engine-tp`` does not do: one process, N other than the world size, layouts it cannot reshard from, a model
-    whose heads, KV heads, MLP width or vocabulary N does not divide."""
+    ``--engine-tp`` does not do: one process, N not dividing the world size, layouts it cannot reshard from
+    (pipeline stages, a trainer TP degree other than N or TP groups other than the engines'), a model whose heads,
+    KV heads, MLP width or vocabulary N does not divide."""
     n = config.engine.tensor_parallel_size
     if n == 1:
         return 1
@@ -55,35 +60,51 @@ def check_engine_tp(config, dims: ParallelDims | None) -> int:
             f"--engine-tp {n} splits the RL engine over torchrun's ranks: launch with `spinwheel launch "
             f"--nproc-per-node {n} ...` (in one process, drop it)"
         )
-    if n != dims.world_size:
-        raise ValueError(f"--engine-tp {n} must equal the number of torchrun ranks ({dims.world_size}) for now")
-    if dims.pp > 1 or (dims.tp, dims.dp) not in ((n, 1), (1, n)):
+    if dims.world_size % n:
+        raise ValueError(
+            f"--engine-tp {n} must divide the number of torchrun ranks ({dims.world_size}): each engine is N ranks"
+        )
+    if dims.pp > 1 or dims.tp not in (1, n):
         raise ValueError(
             f"--engine-tp {n} reshards from {SUPPORTED.replace('N', str(n))}; got dp {dims.dp}, tp {dims.tp}, "
             f"pp {dims.pp}"
         )
+    if dims.tp > 1 and dims._groups_along(("tp",)) != engine_groups(n, dims.world_size):
+        raise ValueError(f"--engine-tp {n}: the trainer's TP groups are not the engines' consecutive ranks")
     if config.lora_rank:
         raise ValueError("--engine-tp with --lora-rank: the tensor-parallel engine serves no adapters yet")
     check_checkpoint_tp_degree(config.model, n)  # heads, KV heads, MLP width, vocabulary
     return n
 
 
+def engine_groups(n: int, world_size: int) -> list[list[int]]:
+    """The engines' ranks: engine g is ranks [g·n, (g+1)·n)."""
+    return [list(range(g * n, (g + 1) * n)) for g in range(world_size // n)]
+
+
+def engine_share(groups: list[list[int]], index: int, drivers_group) -> ParallelDims:
+    """The M engines as the data-parallel axis :func:`~spinwheel.rl.llm.rollout.dp_share` splits the step's groups
+    over (engine ``index``'s share: the one dp rank ``index`` of M would play)."""
+    m, drivers = len(groups), tuple(g[0] for g in groups)
+    return ParallelDims(
+        dp_shard=m, world_size=m, rank=index, axes={"dp": Axis("engines", drivers, index, drivers_group)}
+    )
+
+
 class EngineTP:
-    """One rank's part of the run's tensor-parallel engine: its shard, the resharder that fills it from the
-    trainer, and on rank 0 the :class:`~spinwheel.engine.LLM` whose runner drives the others (it is this
-    object's ``make_runner`` that the engine calls, through the shard's ``tp_host``). ``learner``: the run's
-    :class:`~spinwheel.train.learners.ParallelLearner`, built without an engine copy."""
+    """One rank's part of its engine (of the run's M tensor-parallel engines): its shard, the resharder that fills
+    it from the trainer, and on the engine's driver the :class:`~spinwheel.engine.LLM` whose runner drives the
+    others (it is this object's ``make_runner`` that the engine calls, through the shard's ``tp_host``).
+    ``learner``: the run's :class:`~spinwheel.train.learners.ParallelLearner`, built without an engine copy;
+    ``engines``: the M engines as a dp axis (``play_share``'s ``dims``: this engine's share of a step)."""
 
     def __init__(self, learner, tokenizer, engine_options: dict[str, Any], timeout_s: float) -> None:
         config, pm = EngineConfig(**engine_options), learner.trainer.pm
         n, self.rank = config.tensor_parallel_size, dist.get_rank()
         first = next(pm.module.parameters())
         device, dtype = first.device, first.dtype
-        timeout = datetime.timedelta(seconds=timeout_s)
-        ranks = list(range(n))
-        self.control = dist.new_group(ranks, timeout=timeout, backend="gloo")  # the driver's step broadcasts
-        group = dist.new_group(ranks, timeout=timeout, backend="nccl" if device.type == "cuda" else "gloo")
-        self.axis, self.comm = Axis("engine_tp", tuple(ranks), self.rank, group), Comm(timeout_s)
+        self.make_groups(n, datetime.timedelta(seconds=timeout_s), "nccl" if device.type == "cuda" else "gloo")
+        self.comm = Comm(timeout_s)
         self.full_config = pm.stage.config
         self.shard, shard_dims = empty_shard(self.full_config, self.axis, self.comm, device, dtype)
         self.resharder = Resharder(pm, self.shard, shard_dims, self.axis)
@@ -93,10 +114,28 @@ class EngineTP:
         self.sync()
         self.shard_mb = model_bytes(self.shard) / 2**20
         self.shard.tp_host = self  # the engine builds its runner through make_runner (tp_executor's hook)
-        if self.rank == 0:
+        if self.is_driver:
             self.llm = LLM(self.shard, tokenizer, **engine_options)
         else:
             self.runner, _ = self.make_runner(self.shard, config, engine_options["max_model_len"], driver=False)
+
+    def make_groups(self, n: int, timeout: datetime.timedelta, backend: str) -> None:
+        """Every engine's gloo control group and TP group (every rank creates every group, in the same order), the
+        drivers' gloo group (the episodes' gather) and a world gloo group (the per-rank figures)."""
+        world = dist.get_world_size()
+        groups = engine_groups(n, world)
+        self.index = self.rank // n  # this rank's engine
+        for ranks in groups:
+            control = dist.new_group(ranks, timeout=timeout, backend="gloo")  # the driver's step broadcasts
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if self.rank in ranks:
+                self.control, self.axis = control, Axis("engine_tp", tuple(ranks), ranks.index(self.rank), group)
+        self.driver = self.axis.ranks[0]
+        self.is_driver = self.rank == self.driver
+        drivers = [ranks[0] for ranks in groups]
+        self.drivers = dist.new_group(drivers, timeout=timeout, backend="gloo") if len(groups) > 1 else None
+        self.world = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
+        self.engines = engine_share(groups, self.index, self.drivers)
 
     def make_runner(self, model, config: EngineConfig, max_model_len: int, driver: bool = True):
         """(this rank's runner over its shard, the executor: this object on the driver, else None); the pool has as
@@ -109,7 +148,7 @@ class EngineTP:
     def send(self, step: Step) -> None:
         """Ship one engine step to the other ranks (they run it on their shards as this rank runs it on its own)."""
         try:
-            dist.broadcast_object_list([step], src=0, group=self.control)
+            dist.broadcast_object_list([step], src=self.driver, group=self.control)
         except RuntimeError as e:
             raise self.error(e) from e
 
@@ -121,49 +160,65 @@ class EngineTP:
 
     # -- the step loop ------------------------------------------------------------------------------------------
     def serve(self) -> None:
-        """On the other ranks: run the driver's engine steps on this shard until it says stop."""
+        """On an engine's other ranks: run the driver's engine steps on this shard until it says stop."""
         assert self.runner is not None
         while True:
             box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=self.control)
+            dist.broadcast_object_list(box, src=self.driver, group=self.control)
             step = box[0]
             if step.stop:
                 return
             self.runner.execute(step)
 
+    def serve_evaluation(self) -> None:
+        """Evaluation runs on engine 0 (its driver is the run's main rank): its other ranks serve it, the other
+        engines' ranks go on at once."""
+        if self.index == 0:
+            self.serve()
+
     @contextlib.contextmanager
     def driving(self) -> Iterator[None]:
-        """On rank 0: the block plays on the engine; at its end (or its error) the other ranks stop serving."""
+        """On a driver: the block plays on its engine; at its end (or its error) the engine's other ranks stop
+        serving."""
         try:
             yield
         finally:
-            dist.broadcast_object_list([Step([], [], [], None, stop=True)], src=0, group=self.control)
+            dist.broadcast_object_list([Step([], [], [], None, stop=True)], src=self.driver, group=self.control)
 
     def play(self, fn: Callable[[], list[T]]) -> list[T]:
-        """``fn()`` played on the engine by rank 0 while the others serve its steps; [] on the other ranks."""
-        if self.rank != 0:
+        """``fn()`` played on this rank's engine by its driver while the others serve its steps; [] on the others.
+        ``fn`` plays the engine's share of the step: ``play_share(..., dims=self.engines)``."""
+        if not self.is_driver:
             self.serve()
             return []
         with self.driving():
             return fn()
 
     def share(self, mine: list[T]) -> list[list[T]]:
-        """Rank 0's episodes on every rank (as :func:`~spinwheel.rl.llm.rollout.gather_dp` returns them)."""
-        box: list[Any] = [mine if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return [box[0]]
+        """Every engine's episodes on every rank, in engine order (as :func:`~spinwheel.rl.llm.rollout.gather_dp`
+        returns them): gathered over the drivers, then broadcast within each engine."""
+        parts: list[Any] = [mine]
+        if self.is_driver and self.drivers is not None:
+            parts = [None] * len(self.engines.dp_axis.ranks)
+            dist.all_gather_object(parts, mine, group=self.drivers)
+        box: list[Any] = [parts if self.is_driver else None]
+        dist.broadcast_object_list(box, src=self.driver, group=self.control)
+        return box[0]
 
     # -- weight sync --------------------------------------------------------------------------------------------
     def sync(self) -> None:
-        """Reshard the trainer's new weights into every rank's engine shard (collective) and record the time and
-        each rank's peak temporary bytes (``figures``); the driver's prefix cache is dropped."""
+        """Reshard the trainer's new weights into every rank's engine shard (collective) and record every rank's
+        time and peak temporary bytes (``figures``: ``engine_sync_s`` and ``engine_sync_peak_mb`` the largest,
+        ``/rank{r}`` each rank's); the drivers' prefix caches are dropped."""
         start = time.perf_counter()
         peak = self.resharder.sync()
-        if self.rank == 0 and self.llm is not None:
+        if self.llm is not None:
             self.llm.engine.update_weights(self.llm.engine.model)  # in place already: drops the prefix cache
         seconds = time.perf_counter() - start
-        peaks = torch.zeros(self.axis.size, dtype=torch.float64)
-        peaks[self.rank] = peak
-        dist.all_reduce(peaks, group=self.control)
-        self.figures = {"engine_sync_s": seconds, "engine_sync_peak_mb": float(peaks.max()) / 2**20}
-        self.figures.update({f"engine_sync_peak_mb/rank{r}": float(b) / 2**20 for r, b in enumerate(peaks)})
+        ranks = torch.zeros(2, dist.get_world_size(), dtype=torch.float64)
+        ranks[:, self.rank] = torch.tensor([seconds, peak / 2**20], dtype=torch.float64)
+        dist.all_reduce(ranks, group=self.world)
+        times, peaks = ranks.tolist()
+        self.figures = {"engine_sync_s": max(times), "engine_sync_peak_mb": max(peaks)}
+        self.figures.update({f"engine_sync_s/rank{r}": t for r, t in enumerate(times)})
+        self.figures.update({f"engine_sync_peak_mb/rank{r}": b for r, b in enumerate(peaks)})

@@ -242,11 +242,11 @@ class RLJob:
         c, figures, error = self.config, {}, None
         seeds = step_seeds(c, self.num_train, step)  # the same on every rank (rollout ranks too)
         try:
-            stop, tp = self.run.stop_requested, self.engine_tp  # with --engine-tp rank 0 plays every group
+            stop, tp = self.run.stop_requested, self.engine_tp  # --engine-tp: each engine's driver its share
             share = lambda dims: play_share(  # noqa: E731
                 llm or self.llm, self.make_env, seeds, step, c, dims, stop, figures, token_versions=token_versions
             )
-            mine = tp.play(lambda: share(None)) if tp is not None else share(self.dims)
+            mine = tp.play(lambda: share(tp.engines)) if tp is not None else share(self.dims)
         except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
             error = e
         distributed = self.dims is not None
@@ -311,7 +311,7 @@ class RLJob:
         num = min(c.eval_examples, self.num_eval) if self.num_eval is not None else c.eval_examples
         if not self.learner.is_main or num == 0:
             if num and self.engine_tp is not None:
-                self.engine_tp.serve()  # rank 0 evaluates on the engine the ranks share
+                self.engine_tp.serve_evaluation()  # rank 0 evaluates on engine 0 (its ranks)
             return None
         seeds = list(range(num))
         if self.eval_llm is None:  # with the producer: an engine of its own, on the trainer's weights
