@@ -10,7 +10,10 @@ from it, once with ``load_model(path)`` (old) and once with ``load_model(path, l
 runs in fresh rank processes; a sampler thread reads ``/proc/self/status`` every millisecond and the figures are
 the peak over the load minus the value just before it: ``VmRSS`` (what the brief asks for; it includes the pages of
 the mmapped safetensors file while it is open) and ``RssAnon`` (the process's own allocations). ``load_peak_mb``
-is the loader's own count (lazy only); ``kept`` the RSS after the load (what the layout keeps).
+is the loader's own count (lazy only); ``kept`` the RSS after the load (what the layout keeps; under ZeRO-3 that
+includes the wrapper's contiguous gradient buffer, 1/N of the model, allocated at construction even for a frozen
+trainer; DDP's gradient buckets likewise: both reported as ``grads_mb``; freed memory the allocator keeps also
+stays in it).
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ def rank_load(rank: int, world_size: int, path: str, layout: dict, lazy: bool) -
     peak, after = sampler.stop(), status_mb()
     result = {f"peak_{k}_mb": peak[k] - before[k] for k in FIELDS}
     result |= {f"kept_{k}_mb": after[k] - before[k] for k in FIELDS}
-    result |= {"load_s": seconds, **load_figures(model)}
+    module = trainer.pm.module  # the wrapper's gradient buffers (FSDP: contiguous, 1/N; DDP: buckets): not the load's
+    buffers = [module.grads.flat] if hasattr(module, "grads") else [b.buffer for b in getattr(module, "_buckets", [])]
+    grads_mb = sum(t.numel() * t.element_size() for t in buffers) / 2**20
+    result |= {"load_s": seconds, "grads_mb": grads_mb, **load_figures(model)}
     del trainer
     return result
 
@@ -122,7 +128,8 @@ def main() -> None:
                     print(
                         f"{name:6s} {row['path']:4s} rank {rank}: peak VmRSS +{r['peak_VmRSS_mb']:7.0f} MiB, "
                         f"RssAnon +{r['peak_RssAnon_mb']:7.0f} MiB, kept +{r['kept_RssAnon_mb']:6.0f} MiB, "
-                        f"loader peak {r.get('load_peak_mb', float('nan')):6.0f} MiB, {r['load_s']:.1f} s "
+                        f"loader peak {r.get('load_peak_mb', float('nan')):6.0f} MiB, grad buffer "
+                        f"{r['grads_mb']:4.0f} MiB, {r['load_s']:.1f} s "
                         f"(model {model_mb:.0f} MiB)",
                         flush=True,
                     )

@@ -1,12 +1,13 @@
 """The start-up load without the full model on any rank (issue 26, :mod:`spinwheel.parallel.lazy_load`).
 
-On 2 spawned ranks, for ZeRO-3, FSDP, tp 2 and pp 2 (from an HF checkpoint written here: one with
-``model.safetensors.index.json`` shards and untied embeddings, one tied), the lazily read model's parameters,
+On 2 spawned ranks, for ZeRO-3, FSDP, tp 2 (alone and with FSDP) and pp 2 (from HF checkpoints written here: one
+in ``model.safetensors.index.json`` shards with untied embeddings, one tied), the lazily read model's parameters,
 buffers and a forward's log-probs equal the full load + ``parallelize`` path bit for bit, and the most parameter
 bytes the loader held (``load_peak_mb``) is what the layout keeps — exactly the stage's (TP: half of each split
-matrix plus the replicated norms; PP: its layers) — or for the fully sharded ones the shards plus the piece of one
-tensor being read into them (each rank reads only its shard's rows), well under the full model. In one process: a lazy model's materialised copy and its scalar-head
-model (a reward model or critic) equal the eager path's.
+matrix plus the replicated norms; PP: its layers) — or for the fully sharded ones the shards plus one block of rows
+being read into them (each rank reads only its shard's rows), well under the full model. In one process: a lazy
+model's materialised copy (an engine copy) and its scalar-head model (a reward model or critic) equal the eager
+path's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from spinwheel.models.hf import load_model, save_pretrained
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer, scalar_head_model
-from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
+from spinwheel.parallel import ParallelConfig, ParallelTrainer, lazy_load, spawn
 from spinwheel.parallel.lazy_load import load_figures, materialised_copy
 
 VOCAB, LAYERS, MB = 64, 8, 2**20
@@ -59,6 +60,7 @@ def state(trainer: ParallelTrainer) -> dict[str, torch.Tensor]:
 
 
 def worker(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, dict]:
+    lazy_load.READ_BLOCK_BYTES = 1024  # FSDP shards read 8 rows (of 32 floats) at a time: many blocks per tensor
     out = {}
     for name, ckpt, layout in LAYOUTS:
         config = ParallelConfig(**layout)

@@ -43,6 +43,7 @@ from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import Transformer, rope_inv_freq
 
 LAZY_ATTR = "_lazy_checkpoint"
+READ_BLOCK_BYTES = 16 * 2**20  # the most an FSDP shard's read holds besides the shard
 MB = 2**20
 
 
@@ -151,28 +152,33 @@ class LoadPlan:
 
     def read_shard(self, params: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the flat concatenation of ``params`` (an FSDP unit, zero-padded at the end): this
-        rank's shard, read row by row range, so no parameter is ever held whole (the largest read is the part of
-        one tensor that falls in the shard, plus a row at either end)."""
+        rank's shard, read in row blocks of at most :data:`READ_BLOCK_BYTES`, so no parameter is ever held whole
+        (nor more than one block of it besides the shard)."""
         shard = torch.zeros(hi - lo, dtype=params[0].dtype, device=self.source.device)  # (s,)
         self.source._note(shard.numel() * shard.element_size())
         offset = 0
         for p in params:
             a, b = max(lo, offset), min(hi, offset + p.numel())
             if a < b:
-                shard[a - lo : b - lo].copy_(self._flat_range(p, a - offset, b - offset))
+                self._copy_range(p, a - offset, b - offset, shard[a - lo : b - lo])
             offset += p.numel()
         return shard
 
-    def _flat_range(self, p: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of ``p`` flattened (row-major): the rows that hold them are read."""
+    def _copy_range(self, p: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
+        """Elements [a, b) of ``p`` flattened (row-major) into ``out``, reading the rows that hold them block by
+        block."""
         if not p.is_meta:  # materialised already (a scalar head drawn at load)
-            return p.detach().reshape(-1)[a:b]
+            out.copy_(p.detach().reshape(-1)[a:b])
+            return
         name, dim = self.entries[id(p)]
         row = math.prod(p.shape[1:])
-        r0, r1 = a // row, -(-b // row)
-        t = self.source.read(name, dim, self.tp_size, self.tp_rank, rows=(r0, r1)).reshape(-1)
-        self.source._note(0, transient=t.numel() * t.element_size())
-        return t[a - r0 * row : b - r0 * row]
+        block = max(1, READ_BLOCK_BYTES // (row * p.element_size()))
+        for r in range(a // row, -(-b // row), block):
+            t = self.source.read(name, dim, self.tp_size, self.tp_rank, rows=(r, min(r + block, p.shape[0])))
+            t = t.reshape(-1)
+            self.source._note(0, transient=t.numel() * t.element_size())
+            x, y = max(a, r * row), min(b, r * row + t.numel())  # the block's elements that fall in [a, b)
+            out[x - a : y - a].copy_(t[x - r * row : y - r * row])
 
 
 def lazy_source(model: nn.Module) -> LazyCheckpoint | None:
