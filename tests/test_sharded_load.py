@@ -1,13 +1,13 @@
 """The start-up load without the full model on any rank (issue 26, :mod:`spinwheel.parallel.lazy_load`).
 
 On 2 spawned ranks, for ZeRO-3, FSDP, tp 2 (alone and with FSDP) and pp 2 (from HF checkpoints written here: one
-in ``model.safetensors.index.json`` shards with untied embeddings, one tied), the lazily read model's parameters,
-buffers and a forward's log-probs equal the full load + ``parallelize`` path bit for bit, and the most parameter
-bytes the loader held (``load_peak_mb``) is what the layout keeps — exactly the stage's (TP: half of each split
-matrix plus the replicated norms; PP: its layers) — or for the fully sharded ones the shards plus one block of rows
-being read into them (each rank reads only its shard's rows), well under the full model. In one process: a lazy
-model's materialised copy (an engine copy) and its scalar-head model (a reward model or critic) equal the eager
-path's.
+in ``model.safetensors.index.json`` shards with untied embeddings, one tied, whose last pipeline stage copies the
+embedding as its head), the lazily read model's parameters, buffers and a forward's log-probs equal the full load
++ ``parallelize`` path bit for bit, and the most parameter bytes the loader held (``load_peak_mb``) is what the
+layout keeps — exactly the stage's (TP: half of each split matrix plus the replicated norms; PP: its layers) — or
+for the fully sharded ones the shards plus one block of rows being read into them (each rank reads only its
+shard's rows), well under the full model. In one process: a lazy model's materialised copy (an engine copy) and
+its scalar-head model (a reward model or critic) equal the eager path's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LAYOUTS = [  # (name, checkpoint, layout)
     ("fsdp-tied", "tied", dict(fsdp=True)),
     ("tp2-tied", "tied", dict(tp=2)),
     ("tp2-fsdp", "sharded", dict(tp=2, fsdp=True)),
-    ("pp2", "sharded", dict(pp=2, microbatches=2)),
+    ("pp2-tied", "tied", dict(pp=2, microbatches=2)),
 ]
 
 

@@ -11,9 +11,10 @@ file(s) (one file or an ``index.json``'s shards). ``parallelize`` materialises i
   then reads only its rank's slice (``safe_open(...).get_slice(key)[rows]``, the same split as
   :func:`~spinwheel.parallel.tensor._shard`'s ``chunk``), replicated ones (norms, a row layer's bias, a scalar head)
   whole;
-* **ZeRO-3 / FSDP / HSDP**: :class:`~spinwheel.parallel.fsdp.FullyShardedDataParallel` asks for one unit at a time
-  (:meth:`LazyCheckpoint.unit`): the unit is read whole (or as its TP slices), flattened and sharded, and the
-  loaded tensors are dropped before the next unit is read;
+* **ZeRO-3 / FSDP / HSDP**: :class:`~spinwheel.parallel.fsdp.FullyShardedDataParallel` builds one unit at a time,
+  and each rank reads only the elements of the unit's flat vector that fall in its own shard
+  (:meth:`LoadPlan.read_shard`: the rows holding them, in blocks of at most :data:`READ_BLOCK_BYTES`, of the TP
+  slice where TP applies) straight into the shard; the gathered buffer is allocated but never touched;
 * **DDP / ZeRO-1/2** (without TP or PP) keep a full replica — that is their layout — so the whole stage is read.
 
 Every rank reads the same file, so the data-parallel broadcast of rank 0's weights is skipped for a lazy model.
@@ -21,8 +22,8 @@ Tied embeddings read ``embed_tokens.weight`` for the head (a pipeline's last sta
 Built-in presets (random init) and PEFT adapter directories are built whole as in one process (presets are tiny;
 ``--lora-rank`` runs keep that path too: adapters are drawn on a materialised base).
 
-Bookkeeping: the loader counts the parameter bytes it holds materialised — tensors read and still alive, the flat
-copy FSDP makes of the unit it is sharding and the shards kept — and records the largest total (``load_peak_mb``)
+Bookkeeping: the loader counts the parameter bytes it holds materialised — what it read and the layout keeps (TP
+slices, stage layers, FSDP shards) plus the block being read — and records the largest total (``load_peak_mb``)
 next to the full model's bytes (``model_mb``), see :func:`load_figures`. The engine copy a learner keeps for
 generation (``engine_copy``) is a full model by definition and is read separately (:func:`materialised_copy`).
 """
