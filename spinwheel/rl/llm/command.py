@@ -76,13 +76,14 @@ def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None
     foreign = ALGORITHM_OPTIONS - cls.options
     add_arguments(p, RLConfig, skip={"algo"} | foreign, defaults=cls.defaults)
     _add_run_parts(p, RL_ENGINE_DEFAULTS)
-    p.add_argument(  # under torchrun: one engine over the ranks, resharded into (spinwheel/rl/llm/engine_tp.py)
+    p.add_argument(  # under torchrun: engines over the ranks, resharded into (spinwheel/rl/llm/engine_tp.py)
         "--engine-tp",
         dest="engine_tensor_parallel_size",
         type=int,
         default=argparse.SUPPRESS,
-        help="--engine-tensor-parallel-size under torchrun: the engine split over the N training ranks (N = world "
-        "size), weights resharded from the trainer's layout after each update, no rank holding the whole model",
+        help="--engine-tensor-parallel-size under torchrun: engines split over N training ranks each (N dividing "
+        "the world size: world/N engines), weights resharded from the trainer's layout after each update, no rank "
+        "holding the whole model",
     )
     for name in sorted(foreign):
         owners = ", ".join(a for a, c in ALGORITHMS.items() if name in c.options)
