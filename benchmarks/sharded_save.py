@@ -5,7 +5,7 @@ the full state on every rank, a full ``Transformer`` on rank 0 for ``save_pretra
 
     python benchmarks/sharded_save.py [--hidden 1024] [--layers 8] [--vocab 32000] [--json out.json]
 
-A random fp32 model (~170M parameters by default) on 2 spawned ranks (gloo), ZeRO-3 and tp 2, as a
+A random fp32 model (~170M parameters by default) on 2 spawned ranks (gloo), ZeRO-3, tp 2 and pp 2, as a
 ``ParallelLearner`` without an engine copy (the RL loop's ``--engine-tp``); each (layout, path) runs in fresh rank
 processes. glibc is told to map every allocation of 128 KiB or more on its own (``mallopt``) and the heap is
 trimmed before the save, so that the resident set follows what is alive. A sampler thread reads
@@ -126,7 +126,7 @@ def main() -> None:
     print(f"model: {params / 1e6:.1f}M parameters, {model_mb:.0f} MiB fp32; 2 ranks (gloo)", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        for name, layout in (("zero3", dict(zero=3)), ("tp2", dict(tp=2))):
+        for name, layout in (("zero3", dict(zero=3)), ("tp2", dict(tp=2)), ("pp2", dict(pp=2))):
             for streamed in (False, True):
                 path = "streamed" if streamed else "gathered"
                 by_rank = spawn(rank_save, 2, args=(root, config, layout, streamed), timeout_s=900)

@@ -46,6 +46,11 @@ def save_layouts(rank: int, world_size: int, root: str) -> dict:
             torch.save(full, f"{root}/{name}/full.pt")
         out[name] = stats
     out["learner"] = learner_checkpoints(rank, root)
+    Path(f"{root}/a-file").touch()
+    try:  # rank 0 cannot write there: every rank gets its error before any tensor moves
+        save_hf(trainer.pm, f"{root}/a-file/hf")
+    except OSError as e:
+        out["unwritable"] = str(e)
     return out
 
 
@@ -125,3 +130,12 @@ def test_learner_checkpoint_streams_and_resumes(saved):
     )
     assert len(stats) == 2 and all(f["save_peak_mb"] < f["save_model_mb"] / 2 for f in stats), stats
     assert all(r["learner"][1] for r in results), "the streamed checkpoint did not resume to the same shards"
+
+
+@pytest.mark.distributed
+def test_an_unwritable_path_fails_in_one_line_on_every_rank(saved):
+    root, results = saved
+    errors = [r.get("unwritable") for r in results]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert errors[0].startswith("cannot write the checkpoint:") and str(root / "a-file") in errors[0], errors[0]
+    assert "\n" not in errors[0]

@@ -1,11 +1,9 @@
 """A consolidated Hugging Face checkpoint written tensor by tensor from a sharded layout: no rank ever holds the
 whole model (issue 26; :func:`~spinwheel.parallel.checkpoint.full_state_dict` gathers it on every rank instead).
 
-A safetensors file is an 8-byte little-endian header length, a JSON header (every tensor's dtype, shape and byte
-range; padded with spaces to a multiple of 8) and the tensors' bytes back to back. The header depends on names,
-dtypes and shapes alone, so it is computed before any tensor moves (:func:`safetensors_header`, in the order the
-installed safetensors library writes: the file equals ``save_file``'s byte for byte), and each tensor is then
-written at its offset as it reaches rank 0:
+A safetensors header depends on names, dtypes and shapes alone, so rank 0 writes it before any tensor moves
+(:class:`~spinwheel.models.safetensors_file.SafetensorsWriter`; the file equals ``save_file``'s byte for byte) and
+each tensor then lands at its offset as it reaches rank 0:
 
 * ZeRO-3 / FSDP / HSDP: one parameter at a time, each shard sends the piece of it that it holds (a view) to
   data-parallel index 0, which writes (or passes on) that tensor and frees it before the next;
@@ -23,7 +21,7 @@ the rank a tensor is assembled on; nothing elsewhere.
 from __future__ import annotations
 
 import copy
-import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -31,14 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as safetensors_bytes
+import torch.distributed as dist
 
-from spinwheel.models.hf import SAFETENSORS_METADATA, hf_tensor_name, save_config
-from spinwheel.models.hf_format import apply_umask
+from spinwheel.models.hf import hf_tensor_name, save_config
+from spinwheel.models.safetensors_file import SafetensorsWriter
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.flat_param import FlatParamUnit
 from spinwheel.parallel.fsdp import FullyShardedDataParallel
 from spinwheel.parallel.parallelize import ParallelModel
+from spinwheel.parallel.run_group import run_group
 
 MODEL_FILE = "model.safetensors"
 
@@ -54,7 +53,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -87,72 +86,6 @@ class _Peak:
 
     def drop(self, t: torch.Tensor) -> None:
         self.now -= t.numel() * t.element_size()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-# ---- the file ------------------------------------------------------------------------------------------------------
-
-
-def safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
-    """The bytes before the data of a safetensors file holding ``entries`` (HF name, dtype, shape) with spinwheel's
-    metadata, and each tensor's byte offset into the data. The tensor order and dtype names are the installed
-    library's: it serialises empty tensors of the same names and dtypes (the order depends on nothing else)."""
-    shapes = {name: (dtype, shape) for name, dtype, shape in entries}
-    probe = safetensors_bytes({name: torch.empty(0, dtype=dtype) for name, dtype, _ in entries}, SAFETENSORS_METADATA)
-    size = int.from_bytes(probe[:8], "little")
-    order = json.loads(probe[8 : 8 + size])
-    header: dict[str, object] = {"__metadata__": order.pop("__metadata__")}
-    offsets, offset = {}, 0
-    for name, info in order.items():
-        dtype, shape = shapes[name]
-        nbytes = _numel(shape) * dtype.itemsize
-        header[name] = {"dtype": info["dtype"], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offsets[name], offset = offset, offset + nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, offsets
-
-
-class SafetensorsWriter:
-    """``model.safetensors`` for ``entries``, its header written first; :meth:`write` puts each tensor at its offset
-    as it arrives (in any order), :meth:`close` checks that every one came."""
-
-    def __init__(self, path: Path, entries: list[Entry], hf_names: dict[str, str]) -> None:
-        self.path, self.entries = path, {e.name: e for e in entries}
-        prefix, offsets = safetensors_header([(hf_names[e.name], e.dtype, e.shape) for e in entries])
-        self.offsets = {e.name: len(prefix) + offsets[hf_names[e.name]] for e in entries}
-        self.left = set(self.entries)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self.fd, len(prefix) + sum(e.nbytes for e in entries))
-        self._pwrite(memoryview(prefix), 0)
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        e = self.entries.get(name)
-        if e is None or name not in self.left:
-            raise RuntimeError(f"{self.path}: tensor {name!r} is not in the header or came twice")
-        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-            raise RuntimeError(f"{self.path}: {name} arrived as {tuple(t.shape)} {t.dtype}, the header says {e}")
-        if t.numel():
-            data = t.detach().contiguous().view(-1).view(torch.uint8).numpy()  # a view: nothing copied
-            self._pwrite(memoryview(data), self.offsets[name])
-        self.left.discard(name)
-
-    def _pwrite(self, data: memoryview, offset: int) -> None:
-        while len(data):  # pwrite may write less than asked (over 2 GiB at once on Linux)
-            n = os.pwrite(self.fd, data, offset)
-            data, offset = data[n:], offset + n
-
-    def close(self) -> None:
-        os.close(self.fd)
-        apply_umask(self.path)
-        if self.left:
-            raise RuntimeError(f"{self.path}: {len(self.left)} tensors never arrived, e.g. {sorted(self.left)[0]}")
 
 
 # ---- what each rank holds --------------------------------------------------------------------------------------
@@ -277,33 +210,64 @@ def _takes_part(pm: ParallelModel) -> bool:
     return coords["dp_replicate"] == 0 and (isinstance(pm.module, FullyShardedDataParallel) or coords["dp_shard"] == 0)
 
 
+def _agree(error: str | None) -> None:
+    """Rank 0's ``error`` (None: it can write) raised on every rank before any tensor moves: a checkpoint that
+    cannot be written fails in one line at once, not at the peers' timeouts."""
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0, group=run_group())
+        error = box[0]
+    if error is not None:
+        raise OSError(error)
+
+
+def _open(pm: ParallelModel, file: str | os.PathLike | None, stages: list[list[Entry]], before) -> SafetensorsWriter:
+    assert file is not None, "rank 0 writes the file: it needs its path"
+    if before is not None:
+        before()
+    config = pm.stage.config
+    tensors = {hf_tensor_name(e.name, config): (e.dtype, e.shape) for stage in stages for e in stage}
+    return SafetensorsWriter(Path(file), tensors)  # type: ignore[arg-type]
+
+
 @torch.no_grad()
-def stream_safetensors(pm: ParallelModel, file: str | os.PathLike | None) -> SaveStats:
+def stream_safetensors(
+    pm: ParallelModel, file: str | os.PathLike | None, before: Callable[[], None] | None = None
+) -> SaveStats:
     """Write the parallel model's full weights to the safetensors ``file`` on rank 0 without gathering them anywhere
-    (collective: every rank calls it; ``file`` is read on rank 0 alone)."""
+    (collective: every rank calls it; ``file`` is read on rank 0 alone, after ``before()``, e.g. the config)."""
     start = time.perf_counter()
     dims, comm, peak = pm.dims, pm.dims.comm, _Peak()
     mine = local_entries(pm)
     stages: list[list[Entry]] = comm.all_gather_object(mine, dims.pp_axis)  # type: ignore[assignment]
     _check_entries(pm, stages)
     model_bytes = sum(e.nbytes for stage in stages for e in stage)
+    writer, error = None, None
     if dims.rank == 0:
-        if file is None:
-            raise ValueError("stream_safetensors: rank 0 needs the file to write")
-        config = pm.stage.config
-        entries = [e for stage in stages for e in stage]
-        writer = SafetensorsWriter(Path(file), entries, {e.name: hf_tensor_name(e.name, config) for e in entries})
         try:
-            _run_stage(pm, mine, writer.write, peak)
+            writer = _open(pm, file, stages, before)
+        except OSError as e:
+            error = f"cannot write the checkpoint: {e}"
+    _agree(error)
+    if writer is not None:
+        device = next(pm.module.parameters()).device  # where the backend receives (NCCL: the rank's GPU)
+
+        def write(name: str, t: torch.Tensor) -> None:
+            writer.write(hf_tensor_name(name, pm.stage.config), t)  # type: ignore[arg-type]
+
+        try:
+            _run_stage(pm, mine, write, peak)
             for s in range(1, dims.pp):
                 for e in stages[s]:
-                    buf = peak.hold(torch.empty(e.shape, dtype=e.dtype))
+                    buf = peak.hold(torch.empty(e.shape, dtype=e.dtype, device=device))
                     comm.recv(buf, dims.pp_axis, s)
-                    writer.write(e.name, buf)
+                    write(e.name, buf)
                     peak.drop(buf)
                     del buf
-        finally:
-            writer.close()
+        except BaseException:
+            writer.close(check=False)  # the error that stopped the save is the one to see
+            raise
+        writer.close()
     elif _takes_part(pm):
         first = dims.pp_axis.ranks[0] == 0  # its stage's first rank: in rank 0's pipeline group
 
@@ -318,12 +282,10 @@ def stream_safetensors(pm: ParallelModel, file: str | os.PathLike | None) -> Sav
 def save_streamed(pm: ParallelModel, path: str | os.PathLike | None, tokenizer=None) -> SaveStats:
     """A full HF checkpoint directory (``config.json``, ``generation_config.json``, tokenizer, ``model.safetensors``)
     at ``path`` from the parallel model (collective; rank 0 writes and is the only rank that needs ``path``)."""
-    file = None
-    if pm.dims.rank == 0:
-        assert path is not None, "rank 0 writes the checkpoint: it needs its path"
-        config = copy.copy(pm.stage.config)
-        embedding = next(e for e in local_entries(pm) if e.name == "embed_tokens.weight")  # stage 0 holds it
-        config.torch_dtype = str(embedding.dtype).removeprefix("torch.")  # the model's dtype, as save_pretrained
-        save_config(config, path, tokenizer)
-        file = Path(path) / MODEL_FILE
-    return stream_safetensors(pm, file)
+    if pm.dims.rank != 0:
+        return stream_safetensors(pm, None)
+    assert path is not None, "rank 0 writes the checkpoint: it needs its path"
+    config = copy.copy(pm.stage.config)
+    embedding = next(e for e in local_entries(pm) if e.name == "embed_tokens.weight")  # stage 0 holds it
+    config.torch_dtype = str(embedding.dtype).removeprefix("torch.")  # the model's dtype, as save_pretrained's
+    return stream_safetensors(pm, Path(path) / MODEL_FILE, before=lambda: save_config(config, path, tokenizer))
