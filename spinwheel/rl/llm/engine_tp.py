@@ -62,7 +62,8 @@ def check_engine_tp(config, dims: ParallelDims | None) -> int:
         )
     if dims.world_size % n:
         raise ValueError(
-            f"--engine-tp {n} must divide the number of torchrun ranks ({dims.world_size}): each engine is N ranks"
+            f"--engine-tp {n} must divide the number of torchrun ranks ({dims.world_size}): each engine is {n} "
+            f"ranks; launch a multiple of {n} ranks or pick a divisor"
         )
     if dims.pp > 1 or dims.tp not in (1, n):
         raise ValueError(
