@@ -7,4 +7,5 @@ demo: setup
 test: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	.venv/bin/python -m pytest -q -m serial

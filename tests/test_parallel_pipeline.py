@@ -125,6 +125,7 @@ def test_stage_ranges_are_balanced():
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.serial  # a timing: nothing else may run beside it
 def test_bubble_fraction_matches_formula(first_world):
     # A loaded machine wakes sleeping ranks late, which only ever adds idle time: measure up to three times and
     # keep each setting's smallest bubble.
@@ -142,6 +143,7 @@ def test_bubble_fraction_matches_formula(first_world):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.serial  # shares the measured world with the bubble test
 def test_1f1b_stores_at_most_k_over_m_of_gpipe_activations(first_world):
     per_rank = [r["activations"] for r in first_world]
     for m in (2, 4, 8):
