@@ -184,7 +184,7 @@ def _run_stage(pm: ParallelModel, entries: list[Entry], sink: Callable[[str, tor
             sink(name, full)
             if full is not local:
                 peak.drop(full)
-        del local, full  # a unit's last view would keep it alive while the generator gathers the next
+        del local, full  # else they would stay alive while the generator gathers the next
 
 
 def _check_entries(pm: ParallelModel, stages: list[list[Entry]]) -> None:
