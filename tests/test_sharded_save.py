@@ -139,3 +139,35 @@ def test_an_unwritable_path_fails_in_one_line_on_every_rank(saved):
     assert errors[0] is not None and errors[0] == errors[1], errors
     assert errors[0].startswith("cannot write the checkpoint:") and str(root / "a-file") in errors[0], errors[0]
     assert "\n" not in errors[0]
+
+
+@pytest.mark.distributed
+def test_the_harness_logs_each_ranks_peak_beside_the_models_bytes(saved, tmp_path):
+    """``Run.save`` writes a streamed save's figures (the ZeRO-3 learner's above) to ``metrics.jsonl``."""
+    from spinwheel.train.metrics import read_metrics
+    from spinwheel.train.run import Run
+    from spinwheel.train.sft_config import SFTConfig
+
+    stats = saved[1][0]["learner"][0]
+
+    class Job:  # what Run.save reads of a job and its learner
+        class learner:  # noqa: N801
+            save_stats = stats
+            params_finite = staticmethod(lambda: True)
+
+        def save(self, ckpt_dir: Path, state: dict) -> None:
+            pass
+
+    with Run(SFTConfig(model="test", out_dir=str(tmp_path), steps=3, progress=False), False, "test") as run:
+        run.open_log(True)
+        run.save(Job(), 3)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {
+            "step": 3,
+            "save_model_mb": stats[0]["save_model_mb"],
+            "save_s": stats[0]["save_s"],
+            "save_peak_mb/rank0": stats[0]["save_peak_mb"],
+            "save_peak_mb/rank1": 0.0,
+        }
+    ]
+    assert 0 < stats[0]["save_peak_mb"] < stats[0]["save_model_mb"] / 2

@@ -198,6 +198,10 @@ class Run:
             raise NonFiniteError(self._broken(step, "a parameter is not finite"))
         job.save(self.ckpt_dir, {"step": step, "config": dataclasses.asdict(self.config)})
         self.last_saved = step
+        if figures := getattr(job.learner, "save_stats", None):  # a streamed parallel save's figures, by rank
+            first = figures[0]
+            row = {"step": step, "save_model_mb": first["save_model_mb"], "save_s": first["save_s"]}
+            self.log(row | {f"save_peak_mb/rank{r}": f["save_peak_mb"] for r, f in enumerate(figures)})
 
     def _broken(self, step: int, what: str) -> str:
         kept = (
