@@ -106,7 +106,9 @@ class RLJob:
         optim = OptimConfig(config.lr, config.weight_decay, config.grad_clip, fused=True)
         self.learner = self.make_learner(policy, optim)
         resume_step = run.start_step if run.resumed else None
-        parts = Parts(lambda: load_model(config.model, **load), self.make_learner, run.out_dir, resume_step)
+        parts = Parts(
+            lambda: load_model(config.model, **load), self.make_learner, run.out_dir, resume_step, load["lazy"]
+        )
         self.algo = ALGORITHMS[config.algo](config, parts)
         self.reference = None
         if self.algo.needs_reference:  # with LoRA: the policy with its adapters off, no second copy (lora_run)

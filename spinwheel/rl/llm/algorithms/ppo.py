@@ -50,7 +50,7 @@ class PPO(Algorithm):
         critic_dir = parts.out_dir / "critic"
         resuming = parts.resume_step is not None
         if resuming:
-            model = load_model(critic_dir, dtype=config.dtype, device=config.device)
+            model = load_model(critic_dir, dtype=config.dtype, device=config.device, lazy=parts.lazy)
         else:
             model = scalar_head_model(parts.initial_policy(), seed=config.seed)
         self.critic = parts.make_learner(model, OptimConfig(config.critic_lr, 0.0, config.grad_clip))
