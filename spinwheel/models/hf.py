@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spinwheel.models.config import ConfigError, ModelConfig
-from spinwheel.models.hf_format import apply_umask, hf_key, our_name, read_json
+from spinwheel.models.hf_format import CheckpointError, apply_umask, hf_key, open_safetensors, our_name, read_json
 from spinwheel.models.lora import LoRAError, merge
 from spinwheel.models.lora_io import ADAPTER_CONFIG, adapter_base, is_adapter_dir, load_adapter
 from spinwheel.models.transformer import Transformer, rope_inv_freq
@@ -43,10 +42,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file or key and what was expected."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -93,7 +88,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, under spinwheel's names."""
     out: dict[str, torch.Tensor] = {}
     for f in _weight_files(Path(path)):
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(str(f)) as sf:
             for key in sf.keys():
                 out[our_name(key)] = sf.get_tensor(key)
     return out
@@ -103,7 +98,7 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape under spinwheel's names, from the safetensors headers alone: no tensor is read."""
     out: dict[str, tuple[int, ...]] = {}
     for f in _weight_files(Path(path)):
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(str(f)) as sf:
             for key in sf.keys():
                 out[our_name(key)] = tuple(sf.get_slice(key).get_shape())
     return out

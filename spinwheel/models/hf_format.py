@@ -5,10 +5,14 @@ gives)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError, safe_open
 
 HF_PREFIX = "model."
 SCORE_PREFIX = "score."  # the output layer of HF's *ForSequenceClassification
@@ -20,6 +24,26 @@ def hf_key(name: str, scalar_head: bool = False) -> str:
     if name.startswith("lm_head."):
         return SCORE_PREFIX + name[len("lm_head.") :] if scalar_head else name
     return HF_PREFIX + name
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file or key and what was expected."""
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | os.PathLike) -> Iterator[Any]:
+    """``safe_open`` of a checkpoint's safetensors file (PyTorch tensors); a file that is not one — truncated, a
+    partial download, another format — is a :class:`CheckpointError` naming the file and what to do, not a
+    library traceback."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({e}); it may be truncated or a partial copy: save or download "
+            "the checkpoint again"
+        ) from None
+    with handle as sf:
+        yield sf
 
 
 def our_name(key: str) -> str:

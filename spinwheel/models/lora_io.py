@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spinwheel.models.config import SHAPE_FIELDS
-from spinwheel.models.hf_format import apply_umask, hf_key, our_name, read_json
+from spinwheel.models.hf_format import apply_umask, hf_key, open_safetensors, our_name, read_json
 from spinwheel.models.lora import TARGETS, LoRAConfig, LoRAError, apply_lora, lora_layers, lora_parameters
 from spinwheel.models.transformer import Transformer
 
@@ -207,7 +206,7 @@ def read_adapter(model: Transformer, path: str | os.PathLike) -> tuple[LoRAConfi
         )
         raise LoRAError(f"{where}: no adapter_model.safetensors in the adapter directory{other}")
     expected = _expected_shapes(model, config)
-    with safe_open(str(where), framework="pt") as sf:
+    with open_safetensors(str(where)) as sf:
         _check_fits(model, sf, expected, where, config.base_model_name_or_path or "")
         tensors = {our_name(key[len(PEFT_PREFIX) :]): sf.get_tensor(key) for key in expected}
     return config, tensors

@@ -37,10 +37,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from spinwheel.models.config import ModelConfig
+from spinwheel.models.hf_format import open_safetensors
 from spinwheel.models.transformer import Transformer, rope_inv_freq
 
 LAZY_ATTR = "_lazy_checkpoint"
@@ -63,7 +63,7 @@ class LazyCheckpoint:
         self.tied = bool(model.config.tie_word_embeddings)
         self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, key in the file)
         for f in files:
-            with safe_open(str(f), framework="pt") as sf:
+            with open_safetensors(str(f)) as sf:
                 for key in sf.keys():
                     self.where[our_name(key)] = (str(f), key)
         self.model_bytes = _param_bytes(model.parameters())
@@ -96,7 +96,7 @@ class LazyCheckpoint:
         if source not in self.where:
             raise KeyError(f"{self.path}: no tensor for parameter '{name}' in the checkpoint")
         file, key = self.where[source]
-        with safe_open(file, framework="pt") as sf:
+        with open_safetensors(file) as sf:
             piece = sf.get_slice(key)
             shape = piece.get_shape()
             index = [slice(None)] * len(shape)
