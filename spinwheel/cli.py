@@ -307,6 +307,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"spinwheel {ns.command}: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except RuntimeError as e:  # another rank died: one line on each survivor (the launcher names the lost rank)
+        from spinwheel.parallel.launch import lost_peer
+
+        if (why := lost_peer(e)) is None:
+            raise
+        print(f"spinwheel {ns.command}: error (rank {rank}): another rank of this run stopped ({why}); rerun the "
+              "same command to resume from the last checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
     except (ValueError, OSError) as e:
         # Bad input (configs, checkpoints, data files): one line naming the problem, no traceback. Under torchrun
         # rank 0 speaks for all; a system error (disk, permissions) may be one node's, so its rank says it too.

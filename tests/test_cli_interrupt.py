@@ -253,3 +253,41 @@ def test_one_process_refuses_degrees_and_names_ignored_options(tmp_path, capfd):
     proc = run_cli([*args, "--zero", "2", "--remat"], capfd)
     assert proc.returncode == 0, proc.stderr
     assert "--zero, --remat: ignored in a one-process run" in proc.stderr, proc.stderr
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of the worker with torchrun's ``RANK=rank`` among the processes (this user's) started after the
+    launcher."""
+    for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) > launcher.pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b"".join(environ):
+            return pid
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_rank_stops_the_others_with_one_line(tmp_path):
+    """SIGKILL one rank of ``spinwheel launch ... sft --dp 2``: the survivor's failed collective becomes one line
+    (which rank it is, what failed, how to resume), no traceback, and the launcher exits with the lost rank's
+    status."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*LAUNCH, "sft", *SFT, "--dp", "2", "--timeout-s", "30", "--out-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(logged_steps(out) if (out / "metrics.jsonl").exists() else []) < 2:
+            time.sleep(0.05)
+        pid = _rank_pid(proc, 1)
+        assert pid is not None and proc.poll() is None
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 137, stderr
+    assert "spinwheel sft: error (rank 0): another rank of this run stopped (" in stderr, stderr
+    assert "rerun the same command to resume" in stderr and "Traceback" not in stderr, stderr

@@ -56,6 +56,23 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """Under torchrun, when ``exc`` (or an exception it was raised from or during) is a collective that failed
+    because another rank died or dropped its connection: that collective's first line; else None."""
+    if launched_world_size() <= 1:
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen).strip().splitlines()[0] if str(seen).strip() else ""
+        if isinstance(seen, RuntimeError) and any(s in text for s in PEER_LOST):
+            return text.split("] ", 1)[-1].split(". ")[0][:160]  # gloo prefixes its source location
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
