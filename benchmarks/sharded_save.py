@@ -19,47 +19,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-FIELDS = ("VmRSS", "RssAnon")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sharded_load import FIELDS, Sampler, status_mb  # noqa: E402  (the same /proc sampler as the load benchmark)
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def proc_status_mb() -> dict[str, float]:
-    values = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in FIELDS:
-            values[name] = int(rest.split()[0]) / 1024  # kB
-    return values
-
-
-class PeakSampler(threading.Thread):
-    """The highest value of each field of ``FIELDS`` seen every ``period_s`` until :meth:`stop`."""
-
-    def __init__(self, period_s: float = 0.001) -> None:
-        super().__init__(daemon=True)
-        self.period_s, self.peak, self.stopped = period_s, proc_status_mb(), threading.Event()
-
-    def sample(self) -> None:
-        for name, value in proc_status_mb().items():
-            self.peak[name] = max(self.peak[name], value)
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            self.sample()
-            time.sleep(self.period_s)
-
-    def stop(self) -> dict[str, float]:
-        self.stopped.set()
-        self.join(timeout=5)
-        self.sample()
-        return self.peak
 
 
 def model_config(args: argparse.Namespace):
@@ -91,7 +61,7 @@ def rank_save(rank: int, world_size: int, root: str, config, layout: dict, strea
     )
     gc.collect()
     libc.malloc_trim(0)
-    before, sampler = proc_status_mb(), PeakSampler()
+    before, sampler = status_mb(), Sampler()
     sampler.start()
     t0 = time.perf_counter()
     ckpt = Path(root) / f"{'streamed' if streamed else 'gathered'}-{layout}"
