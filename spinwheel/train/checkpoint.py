@@ -39,6 +39,28 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+# torch.save's file writer reports a failed write (a full disk, a quota, a vanished mount) as a RuntimeError
+# carrying one of these instead of an OSError.
+TORCH_WRITE_FAILED = ("PytorchStreamWriter failed", "iostream error", "inline_container.cc")
+
+
+def write_failure(exc: BaseException, ckpt_dir: Path) -> OSError | None:
+    """A failed checkpoint write as a one-line :class:`OSError` naming the directory, the cause and the free space
+    there (``exc``: torch.save's RuntimeError, or one raised while handling it); None for any other exception."""
+    seen: BaseException | None = exc
+    while seen is not None and not (isinstance(seen, RuntimeError) and any(s in str(seen) for s in TORCH_WRITE_FAILED)):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return None
+    where = next((p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(where).free / 2**20
+    why = str(seen).strip().splitlines()[0][:160]
+    return OSError(
+        f"writing the checkpoint {ckpt_dir} failed ({why}); {free:.0f} MiB free on its disk: free space or choose "
+        "another --out-dir, then rerun the same command (an earlier checkpoint there stays the latest)"
+    )
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from spinwheel.threads import fit_threads
-from spinwheel.train.checkpoint import load_trainer_state
+from spinwheel.train.checkpoint import load_trainer_state, write_failure
 from spinwheel.train.interrupt import Interrupted, StopOnSignal, any_rank
 from spinwheel.train.learners import Learner, is_main_process
 from spinwheel.train.metrics import MetricsLogger, plot_curves
@@ -196,7 +196,12 @@ class Run:
         bad = not job.learner.params_finite()
         if any_rank(bad, self.distributed):
             raise NonFiniteError(self._broken(step, "a parameter is not finite"))
-        job.save(self.ckpt_dir, {"step": step, "config": dataclasses.asdict(self.config)})
+        try:
+            job.save(self.ckpt_dir, {"step": step, "config": dataclasses.asdict(self.config)})
+        except RuntimeError as e:  # torch.save's failed write (a full disk): one line (an OSError), else as it was
+            if (failed := write_failure(e, self.ckpt_dir)) is None:
+                raise
+            raise failed from e
         self.last_saved = step
         if figures := getattr(job.learner, "save_stats", None):  # a streamed parallel save's figures, by rank
             first = figures[0]

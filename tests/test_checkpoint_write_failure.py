@@ -1,0 +1,25 @@
+"""A checkpoint write that fails for lack of space (torch.save's RuntimeError) is a one-line OSError naming the
+checkpoint and the free space; other RuntimeErrors pass through."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spinwheel.train.checkpoint import write_failure
+
+
+def test_full_disk_is_one_line(tmp_path: Path) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    with pytest.raises(RuntimeError) as info:
+        torch.save({"w": torch.zeros(10_000)}, "/dev/full")  # every write fails with ENOSPC
+    err = write_failure(info.value, tmp_path / "run" / "checkpoint")
+    assert isinstance(err, OSError)
+    text = str(err)
+    assert "\n" not in text and str(tmp_path / "run" / "checkpoint") in text and "MiB free" in text
+
+
+def test_other_errors_pass_through(tmp_path: Path) -> None:
+    assert write_failure(RuntimeError("Connection closed by peer"), tmp_path) is None
+    assert write_failure(ValueError("bad"), tmp_path) is None
