@@ -23,3 +23,20 @@ def test_full_disk_is_one_line(tmp_path: Path) -> None:
 def test_other_errors_pass_through(tmp_path: Path) -> None:
     assert write_failure(RuntimeError("Connection closed by peer"), tmp_path) is None
     assert write_failure(ValueError("bad"), tmp_path) is None
+
+
+def test_lock_release_in_an_unwritable_dir_hides_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopping because its directory turned unwritable: releasing the lock must not raise over that error."""
+    import os
+
+    from spinwheel.train.run_dir import RunDirLock
+
+    lock = RunDirLock(tmp_path).acquire()
+
+    def refuse(path: object) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    lock.release()  # no raise; the lock is dropped
+    monkeypatch.undo()
+    RunDirLock(tmp_path).acquire().release()

@@ -72,8 +72,8 @@ class RunDirLock:
             return
         try:
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        except OSError:  # gone, or the directory turned unwritable: a stale file is harmless (the lock is flock's)
+            pass  # and raising here would hide the error the run is stopping on
         if fcntl is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
