@@ -86,7 +86,8 @@ def load_sharded(trainer, path: str | os.PathLike) -> None:
     if state["layout"] != _layout(pm):
         raise ValueError(
             f"{path}: saved with layout {state['layout']}, but this run is {_layout(pm)}; resume "
-            "with the same degrees, or consolidate with save_hf and start from the HF checkpoint"
+            "with the same degrees, or start a new run from the HF files saved beside it (`--model <checkpoint dir> "
+            "--no-resume`: the weights carry over, the optimizer state starts afresh)"
         )
     missing, unexpected = pm.module.load_state_dict(state["model"], strict=False)
     lacking = sorted(set(missing) - _frozen_names(pm.module))  # frozen parameters come from --model
