@@ -40,3 +40,19 @@ def test_lock_release_in_an_unwritable_dir_hides_nothing(tmp_path: Path, monkeyp
     lock.release()  # no raise; the lock is dropped
     monkeypatch.undo()
     RunDirLock(tmp_path).acquire().release()
+
+
+def test_a_save_clears_what_a_killed_save_left(tmp_path: Path) -> None:
+    """A process killed in the middle of a save leaves its temporary directory (or the copy it was replacing); the
+    next complete save removes them and nothing else."""
+    from spinwheel.models.hf import load_model
+    from spinwheel.train.checkpoint import save_checkpoint
+
+    ckpt = tmp_path / "checkpoint"
+    for leftover in (".checkpoint.tmp-abc123", ".checkpoint.old-4242"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    save_checkpoint(ckpt, load_model("test", vocab_size=50), None, {"step": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "metrics.jsonl"]
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["step"] == 1

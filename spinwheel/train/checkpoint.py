@@ -106,10 +106,19 @@ def save_checkpoint(
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        clear_leftovers(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def clear_leftovers(path: Path) -> None:
+    """Remove what a process killed in the middle of an earlier save left beside the checkpoint ``path`` (its
+    temporary directory, or the copy it was replacing); called once ``path`` holds a complete checkpoint again (a
+    run's directory has one writer at a time: :mod:`~spinwheel.train.run_dir`'s lock)."""
+    for leftover in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_trainer_state(path: str | os.PathLike) -> dict[str, Any] | None:
