@@ -5,6 +5,7 @@ for every command: test_cli_interrupt.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -129,6 +130,20 @@ def test_a_non_finite_step_stops_without_saving(tmp_path, how):
         assert str(e.value).startswith("step 6: a parameter is not finite; the run stopped without saving")
     assert f"the last good checkpoint ({tmp_path / 'checkpoint'}, step 4) stays the latest" in str(e.value)
     assert torch.isfinite(load_model(tmp_path / "checkpoint").lm_head.weight).all()
+
+
+def test_a_save_killed_between_its_renames_is_put_back(tmp_path, capsys):
+    """A process killed after moving the previous checkpoint aside and before moving the new one in leaves no
+    ``checkpoint/``: the next run puts the previous one back and resumes from it instead of starting over."""
+    config = SFTConfig(model="test", out_dir=str(tmp_path), steps=4, save_every=2, eval_every=0, progress=False)
+    with Run(config, False, "test") as run:
+        run.train(_Job(run, bad_step=-1, how="none"), [("loss", "loss")], "t")
+    (tmp_path / "checkpoint").rename(tmp_path / ".checkpoint.old-4242")  # the window between the two renames
+    (tmp_path / ".checkpoint.tmp-abc").mkdir()  # the new one, not finished
+    with Run(dataclasses.replace(config, steps=6, force=True), False, "test") as run:
+        assert run.resumed and run.start_step == 4
+    assert "put back from .checkpoint.old-4242" in capsys.readouterr().out
+    assert load_trainer_state(tmp_path / "checkpoint")["step"] == 4
 
 
 def _grpo(tmp_path: Path, reward: str) -> list[str]:

@@ -121,6 +121,21 @@ def clear_leftovers(path: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def recover_interrupted_save(path: Path) -> Path | None:
+    """Put back the checkpoint a process killed between :func:`save_checkpoint`'s two renames left aside: with no
+    ``path`` but a complete ``.{name}.old-*`` beside it (the previous checkpoint, moved out of the way), that copy
+    becomes ``path`` again (the newest if several); returns it, or ``None`` when there was nothing to recover. Called
+    by the run directory's one writer (its lock held) before a resume looks for ``path``."""
+    if path.exists():
+        return None
+    olds = [p for p in path.parent.glob(f".{path.name}.old-*") if (p / STATE_FILE).is_file()]
+    if not olds:
+        return None
+    newest = max(olds, key=lambda p: p.stat().st_mtime)
+    os.replace(newest, path)
+    return newest
+
+
 def load_trainer_state(path: str | os.PathLike) -> dict[str, Any] | None:
     f = Path(path) / STATE_FILE
     if not f.is_file():

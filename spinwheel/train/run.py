@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from spinwheel.threads import fit_threads
-from spinwheel.train.checkpoint import load_trainer_state, write_failure
+from spinwheel.train.checkpoint import load_trainer_state, recover_interrupted_save, write_failure
 from spinwheel.train.interrupt import Interrupted, StopOnSignal, any_rank
 from spinwheel.train.learners import Learner, is_main_process
 from spinwheel.train.metrics import MetricsLogger, plot_curves
@@ -147,8 +147,12 @@ class Run:
         if self.is_main:
             try:
                 self._lock.acquire()
+                if (moved := recover_interrupted_save(self.ckpt_dir)) is not None:
+                    print(f"{self.ckpt_dir}: put back from {moved.name} (a save was killed mid-way)", flush=True)
             except RunDirError as e:
                 error = e
+            except OSError as e:  # the put-back failed: resuming without it would start over
+                error = RunDirError(f"{self.ckpt_dir} is missing and its copy beside it cannot be put back: {e}")
         if any_rank(error is not None, self.distributed):
             raise error or RunDirError(f"--out-dir {self.out_dir} cannot be used (rank 0 says why)")
         if not self.is_main:
