@@ -56,3 +56,23 @@ def test_a_save_clears_what_a_killed_save_left(tmp_path: Path) -> None:
     save_checkpoint(ckpt, load_model("test", vocab_size=50), None, {"step": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "metrics.jsonl"]
     assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["step"] == 1
+
+
+def test_a_full_disk_in_a_streamed_save_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed safetensors writer's pwrite failing (ENOSPC says nothing of which file) names the file."""
+    import errno
+    import os
+
+    from spinwheel.models.safetensors_file import SafetensorsWriter
+
+    writer = SafetensorsWriter(tmp_path / "model.safetensors", {"w": (torch.float32, (4,))})
+
+    def full(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError) as info:
+        writer.write("w", torch.ones(4))
+    writer.close(check=False)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "model.safetensors")
+    assert str(tmp_path / "model.safetensors") in str(info.value)

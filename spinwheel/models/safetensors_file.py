@@ -74,7 +74,10 @@ class SafetensorsWriter:
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
         while len(data):  # pwrite may write less than asked (over 2 GiB at once on Linux)
-            n = os.pwrite(self.fd, data, offset)
+            try:
+                n = os.pwrite(self.fd, data, offset)
+            except OSError as e:  # a full disk says ENOSPC alone: name the file
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
             data, offset = data[n:], offset + n
 
     def close(self, check: bool = True) -> None:
