@@ -102,8 +102,6 @@ def test_what_tp_does_not_do_yet_is_refused(engines):
     tp, one = engines
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         tp.update_weights(one.model)
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        tp.add_lora("adapter", "/nonexistent")
 
 
 def test_tp_degree_must_divide_heads_before_anything_starts():

@@ -49,7 +49,7 @@ class LoRAProjection(nn.Linear):
 
     def __init__(self, base: nn.Linear, rows: ActiveRows) -> None:
         nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.out_features, self.in_features = base.weight.shape  # a shard's own (out, in) under TP
         self.weight = base.weight
         self.register_parameter("bias", base.bias)
         self.rows = rows
@@ -82,6 +82,8 @@ class LoRAProjection(nn.Linear):
 class AdapterRegistry:
     """The adapters an engine serves over its model, by name; slot 0 is the base (no adapter)."""
 
+    adaptable: tuple[type, ...] = (nn.Linear, LoRAProjection)  # the projections an adapter may target
+
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.slots: dict[str, int] = {}
@@ -105,6 +107,11 @@ class AdapterRegistry:
         """Serve the PEFT adapter in ``path`` as ``name``. It is checked against the model before anything changes:
         one whose base differs is a one-line :class:`LoRAError`. Names are never reused (the prefix cache keys K/V by
         adapter name, so another adapter under an old name would read stale K/V)."""
+        self.install(name, str(path), self.read(name, path, self.model))
+
+    def read(self, name: str, path: str | os.PathLike, model: Transformer) -> dict[str, tuple[torch.Tensor, ...]]:
+        """The adapter in ``path`` checked against ``model`` (the served model's shapes) for serving as ``name``:
+        its factors by projection (``layers.0.self_attn.q_proj`` -> (A, s * B in float32)); nothing changes."""
         if not isinstance(name, str) or not name:
             raise LoRAError(f"a LoRA adapter needs a non-empty name, got {name!r}")
         if name in self.slots:
@@ -113,23 +120,42 @@ class AdapterRegistry:
             raise LoRAError(
                 "the engine's model carries trained LoRA layers already: serve adapters by name on a plain base model"
             )
-        config, tensors = read_adapter(self.model, path)
+        config, tensors = read_adapter(model, path)
         targets = [(i, TARGETS[t]) for i in range(len(self.model.layers)) for t in config.targets]
         for i, target in targets:
             module = self.model.layers[i].get_submodule(target)
-            if type(module) not in (nn.Linear, LoRAProjection):
+            if type(module) not in self.adaptable:
                 raise LoRAError(
                     f"layers.{i}.{target} is a {type(module).__name__}: multi-LoRA serving adapts plain nn.Linear "
                     "projections only"
                 )
+        return {
+            f"layers.{i}.{target}": (
+                tensors[f"layers.{i}.{target}.lora_A.weight"],
+                tensors[f"layers.{i}.{target}.lora_B.weight"].float() * config.scaling,
+            )
+            for i, target in targets
+        }
+
+    def install(self, name: str, path: str, factors: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        """Serve ``factors`` (:meth:`read`'s) as adapter ``name`` in the next slot, on the projections they name."""
         slot = len(self.slots) + 1
-        for i, target in targets:
-            proj = self._wrap(i, target)
-            a, b = tensors[f"layers.{i}.{target}.lora_A.weight"], tensors[f"layers.{i}.{target}.lora_B.weight"]
+        for key, (a, b) in factors.items():
+            _, index, target = key.split(".", 2)
+            proj = self._wrap(int(index), target)
+            a, b = self.local_factors(proj, a, b)
             w = proj.weight
-            proj.factors[slot] = (a.to(w.device, w.dtype), (b.float() * config.scaling).to(w.device, w.dtype))
+            proj.factors[slot] = (a.to(w.device, w.dtype), b.to(w.device, w.dtype))
         self.slots[name] = slot
-        self.paths[name] = str(path)
+        self.paths[name] = path
+
+    def local_factors(self, proj: LoRAProjection, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The part of an adapter's (A, s * B) that ``proj`` applies (all of it here; a shard's slice under TP)."""
+        return a, b
+
+    def wrapper(self, module: nn.Module) -> LoRAProjection:
+        """``module`` wrapped to apply the adapters (a tensor-parallel registry wraps its sharded layers)."""
+        return LoRAProjection(module, self.rows)  # type: ignore[arg-type]
 
     def projections(self) -> list[LoRAProjection]:
         return [m for m in self.model.modules() if isinstance(m, LoRAProjection)]
@@ -140,7 +166,7 @@ class AdapterRegistry:
         module = getattr(parent, attr)
         if isinstance(module, LoRAProjection):
             return module
-        wrapped = LoRAProjection(module, self.rows)
+        wrapped = self.wrapper(module)
         setattr(parent, attr, wrapped)
         return wrapped
 

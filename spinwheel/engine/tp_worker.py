@@ -26,7 +26,7 @@ import torch
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
-from spinwheel.engine.multi_lora import AdapterRegistry
+from spinwheel.engine.tp_lora import AdapterShipment, TPAdapterRegistry
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import RotaryEmbedding, Transformer
 from spinwheel.parallel.comm import Comm
@@ -76,13 +76,15 @@ def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> No
 @dataclass
 class Step:
     """What the driver sends each worker per step (vLLM's ``ExecuteModelRequest``): the schedule's block moves and
-    the flat batch the driver prepared (tensors on CPU; None when the step only moves blocks), or ``stop``."""
+    the flat batch the driver prepared (tensors on CPU; None when the step only moves blocks), or ``stop``; and the
+    LoRA adapters added on the driver since the last step, which every rank installs before the step's forward."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copy: list[tuple[int, int]]
     inputs: StepInputs | None
     stop: bool = False
+    adapters: list[AdapterShipment] = dataclasses.field(default_factory=list)
 
 
 def to_device(obj, device: torch.device):
@@ -139,11 +141,6 @@ def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
     return dataclasses.replace(config, num_kv_blocks=blocks, num_cpu_blocks=cpu, cpu_packed_weights=False)
 
 
-class _NoAdapters(AdapterRegistry):
-    def add(self, name: str, path) -> None:
-        raise NotImplementedError("LoRA adapters are not served under tensor parallelism yet (issue 26)")
-
-
 class TPModelRunner(ModelRunner):
     """A :class:`ModelRunner` over a model shard: the same step on every rank, the logits gathered over the TP axis.
 
@@ -155,7 +152,7 @@ class TPModelRunner(ModelRunner):
     ) -> None:
         super().__init__(model, config, max_model_len)
         self.axis, self.comm, self.executor = axis, comm, executor
-        self.loras = _NoAdapters(model)
+        self.loras = TPAdapterRegistry(model, axis)  # each rank's slice of every adapter (tp_lora)
 
     @torch.inference_mode()
     def run(self, out) -> StepLogits | None:
@@ -166,7 +163,7 @@ class TPModelRunner(ModelRunner):
         if self.executor is None:
             return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
         cpu = to_device(inputs, torch.device("cpu")) if self.model.device.type != "cpu" else inputs
-        self.executor.send(Step(*moves, cpu))  # type: ignore[arg-type]
+        self.executor.send(Step(*moves, cpu, adapters=self.loras.take_pending()))  # type: ignore[arg-type]
         try:
             return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
         except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
@@ -174,7 +171,10 @@ class TPModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepLogits | None:
-        """One step on this rank's shard (the same on every rank): block moves, forward, gathered logits."""
+        """One step on this rank's shard (the same on every rank): adapters the driver added, block moves, forward,
+        gathered logits."""
+        for shipment in step.adapters:
+            self.loras.receive(shipment)
         if step.swap_out or step.swap_in or step.copy:
             self.move_blocks(
                 SimpleNamespace(
