@@ -10,7 +10,8 @@ would (:func:`pool_sizes`), so the driver's block manager schedules exactly what
 
 A step is the same on every rank (:meth:`TPModelRunner.execute`): the block moves of the schedule, then the forward
 over the inputs the driver prepared, then the LM head on the sampled rows; the vocab slices of the logits are
-all-gathered, so the driver samples from the whole (R, V) logits as on one device.
+all-gathered, so the driver samples from the whole (R, V) logits as on one device. LoRA adapters added on the driver
+travel with the next step (``Step.adapters``) and each rank serves its shard's slice (:mod:`~spinwheel.engine.tp_lora`).
 """
 
 from __future__ import annotations
