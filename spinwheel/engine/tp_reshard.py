@@ -19,6 +19,8 @@ source layout (a world of M·N ranks holds M engines; global rank g·N + r is en
   largest unit), never the model.
 
 :meth:`Resharder.sync` returns the largest temporary it materialised (bytes): the per-rank peak the RL loop logs.
+A LoRA trainer's adapter factors are skipped (:func:`is_adapter_factor`): the shard gets the frozen base, once, and
+the RL loop serves the adapters as an adapter slot it updates after each step (``engine_tp.PolicyAdapter``).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class Resharder:
                 peak = max(peak, self._sync_unit(unit, done))
         else:  # DDP, ZeRO-1/2 (full weights on every rank) or the trainer's TP slices
             for name, p in self.pm.stage.named_parameters(remove_duplicate=False):
-                self._copy(name, p.detach(), done)
+                if not is_adapter_factor(name):  # LoRA: the shard holds the base; its adapter slot the factors
+                    self._copy(name, p.detach(), done)
         missing = sorted(set(self.targets) - done)
         if missing:
             raise RuntimeError(f"resharding left engine parameters unwritten: {missing[:3]}")
@@ -161,6 +164,12 @@ class Resharder:
             raise ValueError(f"{name}: the trainer's slice {tuple(src.shape)} is not the engine's {tuple(dst.shape)}")
         dst.copy_(src)
         done.add(name)
+
+
+def is_adapter_factor(name: str) -> bool:
+    """Whether trainer parameter ``name`` is a LoRA factor (the engine serves those as an adapter slot,
+    :class:`~spinwheel.rl.llm.engine_tp.PolicyAdapter`, not as shard weights)."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def write_block(

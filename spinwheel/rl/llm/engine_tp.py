@@ -17,6 +17,13 @@ all-reduces, the logits' all-gather) until the driver says the episodes are done
 episodes (a gloo group of the M drivers) and broadcast them within their engines: every rank trains on all of
 them as before. Evaluation runs on engine 0 alone (the other engines' ranks go on). Every wait has the run's
 collective timeout (``--timeout-s``).
+
+With ``--lora-rank`` (under DDP, ZeRO-1/2 or ``--tp N``; the fully sharded layouts are refused for LoRA by
+:func:`~spinwheel.train.lora_run.check_one_process`) the shards get the frozen base once, at the start, and the
+policy's adapters are one adapter slot of every engine rank (:mod:`~spinwheel.engine.tp_lora`) that every request,
+rollouts and evaluation alike, runs through; each update moves the adapters alone (:class:`PolicyAdapter`,
+``sync_bytes`` logged). Rank 0 keeps the trainer's model (DDP, ZeRO-1/2) or a copy (``--tp N``) to write the PEFT
+adapter at saves, as a LoRA run without ``--engine-tp`` does.
 """
 
 from __future__ import annotations
@@ -34,10 +41,12 @@ import torch.distributed as dist
 from spinwheel.engine import LLM
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.tp_executor import TensorParallelError
+from spinwheel.engine.tp_lora import TPAdapterRegistry
 from spinwheel.engine.tp_reshard import Resharder, empty_shard, model_bytes
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_checkpoint_tp_degree, pool_sizes
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import Axis, ParallelDims
+from spinwheel.rl.llm.weight_sync import state_bytes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,8 +81,6 @@ def check_engine_tp(config, dims: ParallelDims | None) -> int:
         )
     if dims.tp > 1 and dims._groups_along(("tp",)) != engine_groups(n, dims.world_size):
         raise ValueError(f"--engine-tp {n}: the trainer's TP groups are not the engines' consecutive ranks")
-    if config.lora_rank:
-        raise ValueError("--engine-tp with --lora-rank: the tensor-parallel engine serves no adapters yet")
     check_checkpoint_tp_degree(config.model, n)  # heads, KV heads, MLP width, vocabulary
     return n
 
@@ -108,17 +115,20 @@ class EngineTP:
         self.comm = Comm(timeout_s)
         self.full_config = pm.stage.config
         self.shard, shard_dims = empty_shard(self.full_config, self.axis, self.comm, device, dtype)
-        self.resharder = Resharder(pm, self.shard, shard_dims, self.axis)
+        self.resharder = Resharder(pm, self.shard, shard_dims, self.axis)  # LoRA: the frozen base alone
+        self.adapter = PolicyAdapter(learner.trainer) if lora_layer_names(pm.stage) else None
         self.figures: dict[str, float] = {}
         self.llm: LLM | None = None
         self.runner: TPModelRunner | None = None
-        self.sync()
+        self.resharder.sync()  # the trainer's weights (under LoRA the base: resharded this once)
         self.shard_mb = model_bytes(self.shard) / 2**20
         self.shard.tp_host = self  # the engine builds its runner through make_runner (tp_executor's hook)
         if self.is_driver:
             self.llm = LLM(self.shard, tokenizer, **engine_options)
         else:
             self.runner, _ = self.make_runner(self.shard, config, engine_options["max_model_len"], driver=False)
+        if self.adapter is not None:
+            self.sync()  # the policy's adapters as the engine's default slot: every request runs through them
 
     def make_groups(self, n: int, timeout: datetime.timedelta, backend: str) -> None:
         """Every engine's gloo control group and TP group (every rank creates every group, in the same order), the
@@ -207,12 +217,23 @@ class EngineTP:
         return box[0]
 
     # -- weight sync --------------------------------------------------------------------------------------------
+    @property
+    def registry(self) -> TPAdapterRegistry:
+        """This rank's adapters (over its shard)."""
+        runner = self.llm.engine.runner if self.llm is not None else self.runner
+        return runner.loras  # type: ignore[union-attr]
+
     def sync(self) -> None:
         """Reshard the trainer's new weights into every rank's engine shard (collective) and record every rank's
         time and peak temporary bytes (``figures``: ``engine_sync_s`` and ``engine_sync_peak_mb`` the largest,
-        ``/rank{r}`` each rank's); the drivers' prefix caches are dropped."""
+        ``/rank{r}`` each rank's); the drivers' prefix caches are dropped. Under LoRA the adapters alone:
+        :class:`PolicyAdapter` (``sync_bytes``: the adapters' bytes every rank received)."""
         start = time.perf_counter()
-        peak = self.resharder.sync()
+        peak = 0
+        if self.adapter is not None:
+            self.figures["sync_bytes"] = float(self.adapter.sync(self.registry))
+        else:
+            peak = self.resharder.sync()
         if self.llm is not None:
             self.llm.engine.update_weights(self.llm.engine.model)  # in place already: drops the prefix cache
         seconds = time.perf_counter() - start
@@ -220,6 +241,50 @@ class EngineTP:
         ranks[:, self.rank] = torch.tensor([seconds, peak / 2**20], dtype=torch.float64)
         dist.all_reduce(ranks, group=self.world)
         times, peaks = ranks.tolist()
-        self.figures = {"engine_sync_s": max(times), "engine_sync_peak_mb": max(peaks)}
+        self.figures.update({"engine_sync_s": max(times), "engine_sync_peak_mb": max(peaks)})
         self.figures.update({f"engine_sync_s/rank{r}": t for r, t in enumerate(times)})
         self.figures.update({f"engine_sync_peak_mb/rank{r}": b for r, b in enumerate(peaks)})
+
+
+def lora_layer_names(model: torch.nn.Module) -> list[str]:
+    """The projections of ``model`` (a trainer's stage: plain or tensor-parallel) that carry LoRA factors."""
+    return [name for name, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), torch.nn.Linear)]
+
+
+class PolicyAdapter:
+    """The policy's LoRA adapters as one adapter slot of every engine rank (:mod:`~spinwheel.engine.tp_lora`), the
+    slot requests that name no adapter run through: the engine shard keeps the frozen base, and after each update
+    :meth:`sync` gives every rank the full factors — :meth:`~spinwheel.parallel.trainer.ParallelTrainer.
+    full_state_dict` of the trained parameters alone (the adapters: DDP / ZeRO-1/2 hold them whole, a trainer
+    ``--tp N`` all-gathers its split factors over its tp group) — and each rank writes its engine rank's slice into
+    its slot in place. Every rank of an engine is a rank of this torchrun job, so each installs its own slice
+    locally: nothing goes through the driver's step broadcast, and no rank waits on another to serve it."""
+
+    name = "policy"
+
+    def __init__(self, trainer) -> None:
+        self.trainer, stage = trainer, trainer.pm.stage
+        self.scaling = {n: float(stage.get_submodule(n).scaling) for n in lora_layer_names(stage)}  # by projection
+
+    def factors(self) -> tuple[dict[str, tuple[torch.Tensor, ...]], int]:
+        """(every adapted projection's full (A, s·B), as an adapter read from disk; the bytes gathered);
+        collective."""
+        full = self.trainer.full_state_dict(trained_only=True)
+        extra = sorted(k for k in full if k.rpartition(".lora_")[0] not in self.scaling)
+        if extra:
+            raise ValueError(f"--engine-tp with --lora-rank serves the adapters alone; {extra[0]} trains too")
+        factors = {
+            n: (full[f"{n}.lora_A.weight"], full[f"{n}.lora_B.weight"].float() * s) for n, s in self.scaling.items()
+        }
+        return factors, state_bytes(full)
+
+    def sync(self, registry: TPAdapterRegistry) -> int:
+        """This rank's slot holds the policy's current adapters (installed by the first call, overwritten by the
+        next); returns the bytes of the adapters (what each update moves, against the model's for a full sync)."""
+        factors, sent = self.factors()
+        if self.name in registry.slots:
+            registry.update(self.name, factors)
+        else:
+            registry.install(self.name, "(the RL policy's adapters)", factors)
+            registry.default = self.name
+        return sent

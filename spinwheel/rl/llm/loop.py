@@ -128,6 +128,7 @@ class RLJob:
         self.rollouts = self.make_rollouts()
         engine = self.engine_tp.shard if self.engine_tp is not None else self.llm.engine.model
         shared = config.max_staleness is None and getattr(self.learner, "shares_weights", True)
+        shared = shared and self.engine_tp is None  # --engine-tp: the shards are a copy (a LoRA run's rank 0 may share)
         self.engine_copy_mb = 0.0 if shared else sum(p.numel() * p.element_size() for p in engine.parameters()) / 2**20
         self.last_step_end: float | None = None
         self.on_policy = reuses_update_logprobs(config, self.algo, self.learner)
@@ -145,7 +146,8 @@ class RLJob:
         t = self.config.temperature  # the loss's log-probs are those of the policy that samples at T
         if self.dims is None:
             return LocalLearner(model, optim, temperature=t)
-        copy = "all" if optim is not None and model.config.num_labels is None and self.engine_tp_size == 1 else "none"
+        full = optim is not None and model.config.num_labels is None  # the policy (the saves: a LoRA one's adapter)
+        copy = "all" if full and self.engine_tp_size == 1 else "main" if full and self.config.lora_rank else "none"
         return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy, temperature=t)
 
     def _max_model_len(self, context: int) -> int:

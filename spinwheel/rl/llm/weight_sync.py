@@ -11,7 +11,9 @@ The figures of each update go to ``metrics.jsonl``: ``sync_bytes`` (what the upd
 LoRA, every weight's otherwise), ``sync_load_s`` (the producer's seconds to load the newest version into its
 engine, prefix-cache drop included) beside the trainer's own copy time ``time/sync``. With ``--rollout-engine
 process`` the child builds the same LoRA layers and the shared-memory copy moves the adapters alone as well
-(``weight_publish_mb``).
+(``weight_publish_mb``). Under ``--engine-tp N`` the synchronous loop's tensor-parallel engine does the same for
+LoRA: its shards keep the base and each update writes every rank's slice of the adapters
+(:class:`~spinwheel.rl.llm.engine_tp.PolicyAdapter`, ``sync_bytes`` per step).
 """
 
 from __future__ import annotations
