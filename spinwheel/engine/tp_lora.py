@@ -88,14 +88,15 @@ class TPAdapterRegistry(AdapterRegistry):
         """:meth:`AdapterRegistry.slot`, where a request naming no adapter runs through :attr:`default` if set."""
         return super().slot(self.default if name is None else name)
 
-    def update(self, name: str, factors: dict[str, tuple[torch.Tensor, ...]]) -> None:
-        """New full factors (:meth:`read`'s form) for served adapter ``name``: this rank's slices overwrite its slot's
-        in place (no shipping: the caller runs on every rank, as the RL engine's adapter sync does)."""
+    def update(self, name: str, factors: dict[str, tuple[torch.Tensor, ...]], sliced: bool = False) -> None:
+        """New full factors (:meth:`read`'s form) for served adapter ``name``, or (``sliced``) this rank's slices of
+        them already: they overwrite its slot's in place (no shipping: the caller runs on every rank, as the RL
+        engine's adapter sync does)."""
         slot = self.slot(name)
         for key, (a, b) in factors.items():
             _, index, target = key.split(".", 2)
             proj = self._wrap(int(index), target)
-            for old, new in zip(proj.factors[slot], self.local_factors(proj, a, b), strict=True):
+            for old, new in zip(proj.factors[slot], (a, b) if sliced else self.local_factors(proj, a, b), strict=True):
                 old.copy_(new)
 
     def full_model(self) -> Transformer:

@@ -253,38 +253,46 @@ def lora_layer_names(model: torch.nn.Module) -> list[str]:
 
 class PolicyAdapter:
     """The policy's LoRA adapters as one adapter slot of every engine rank (:mod:`~spinwheel.engine.tp_lora`), the
-    slot requests that name no adapter run through: the engine shard keeps the frozen base, and after each update
-    :meth:`sync` gives every rank the full factors — :meth:`~spinwheel.parallel.trainer.ParallelTrainer.
-    full_state_dict` of the trained parameters alone (the adapters: DDP / ZeRO-1/2 hold them whole, a trainer
-    ``--tp N`` all-gathers its split factors over its tp group) — and each rank writes its engine rank's slice into
-    its slot in place. Every rank of an engine is a rank of this torchrun job, so each installs its own slice
-    locally: nothing goes through the driver's step broadcast, and no rank waits on another to serve it."""
+    slot requests that name no adapter run through; the engine shard keeps the frozen base. :meth:`sync` writes this
+    rank's slice of the current adapters into the slot in place. The first sync installs it from the full factors
+    (:meth:`~spinwheel.parallel.trainer.ParallelTrainer.full_state_dict` of the trained parameters alone: DDP /
+    ZeRO-1/2 hold them whole, a trainer ``--tp N`` all-gathers its split ones, once); after each update a
+    data-parallel trainer's ranks cut their engine rank's slice of their whole factors, and a trainer ``--tp N``'s
+    ranks copy their own, which are that slice already (:mod:`~spinwheel.parallel.tensor_lora` splits each factor as
+    the engine does): no collective. Every rank of an engine is a rank of this torchrun job, so each writes its own
+    slice locally rather than through the driver's step broadcast: nothing is pickled, and no rank waits on another."""
 
     name = "policy"
 
     def __init__(self, trainer) -> None:
-        self.trainer, stage = trainer, trainer.pm.stage
-        self.scaling = {n: float(stage.get_submodule(n).scaling) for n in lora_layer_names(stage)}  # by projection
+        self.trainer, self.stage = trainer, trainer.pm.stage
+        self.scaling = {n: float(self.stage.get_submodule(n).scaling) for n in lora_layer_names(self.stage)}
+        self.sliced = trainer.pm.dims.tp > 1  # the trainer's factors are this rank's engine slices already
+        self.bytes = 0  # the adapters' (every rank's factors together): what an update changes
 
-    def factors(self) -> tuple[dict[str, tuple[torch.Tensor, ...]], int]:
-        """(every adapted projection's full (A, s·B), as an adapter read from disk; the bytes gathered);
-        collective."""
+    def full_factors(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Every adapted projection's full (A, s·B), as an adapter read from disk (collective)."""
         full = self.trainer.full_state_dict(trained_only=True)
         extra = sorted(k for k in full if k.rpartition(".lora_")[0] not in self.scaling)
         if extra:
             raise ValueError(f"--engine-tp with --lora-rank serves the adapters alone; {extra[0]} trains too")
-        factors = {
+        self.bytes = state_bytes(full)
+        return {
             n: (full[f"{n}.lora_A.weight"], full[f"{n}.lora_B.weight"].float() * s) for n, s in self.scaling.items()
         }
-        return factors, state_bytes(full)
+
+    def own_factors(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """This rank's trainer factors (A, s·B) by projection: whole under data parallelism, its slices under TP."""
+        layers = {n: self.stage.get_submodule(n) for n in self.scaling}
+        return {
+            n: (m.lora_A.weight.detach(), m.lora_B.weight.detach().float() * self.scaling[n]) for n, m in layers.items()
+        }
 
     def sync(self, registry: TPAdapterRegistry) -> int:
-        """This rank's slot holds the policy's current adapters (installed by the first call, overwritten by the
-        next); returns the bytes of the adapters (what each update moves, against the model's for a full sync)."""
-        factors, sent = self.factors()
+        """This rank's slot holds the policy's current adapters; returns the adapters' bytes."""
         if self.name in registry.slots:
-            registry.update(self.name, factors)
+            registry.update(self.name, self.own_factors(), sliced=self.sliced)
         else:
-            registry.install(self.name, "(the RL policy's adapters)", factors)
+            registry.install(self.name, "(the RL policy's adapters)", self.full_factors())
             registry.default = self.name
-        return sent
+        return self.bytes
