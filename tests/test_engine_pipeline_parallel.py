@@ -166,15 +166,6 @@ def test_each_stage_holds_half_the_layers_and_of_every_block(engines):
     assert pp.engine.runner.num_blocks == one.engine.runner.num_blocks
 
 
-@pytest.mark.slow  # the module's engine (2 processes)
-def test_what_pp_does_not_do_yet_is_refused(engines):
-    pp, one = engines
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        pp.update_weights(one.model)
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        pp.add_lora("adapter", "/nonexistent")
-
-
 def test_pp_degree_must_divide_layers_before_anything_starts():
     before = len(multiprocessing.active_children())
     with pytest.raises(ValueError, match=r"pipeline_parallel_size 3 must divide the model's num_hidden_layers \(2\)"):

@@ -12,8 +12,10 @@ micro-batch b and runs stage 0 of its next iteration, the last stage computes mi
 Everything the engine does per micro-batch is the one-device code: chunked prefill, prefix caching (within a
 micro-batch), parallel sampling and beams with copy-on-write, swap and recompute preemption; the block moves of an
 iteration travel with it to every stage. An abort or a stop string for a request whose iteration is in flight is
-applied once that iteration is back. Not yet: LoRA adapters, ``update_weights`` and combining with tensor
-parallelism (refused in one line). Each micro-batch owns 1/P of the pool, so a request must fit in that.
+applied once that iteration is back. LoRA adapters (mixed in a batch, added at any time) and ``update_weights``:
+each stage holds its own layers' part, shipped through its pipe in iteration order (:mod:`~spinwheel.engine.pp_lora`).
+Not yet: combining with tensor parallelism (refused in one line). Each micro-batch owns 1/P of the pool, so a request
+must fit in that.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from spinwheel.engine.block_pool import BlockPool
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.llm_engine import LLMEngine, flush_denormal
 from spinwheel.engine.outputs import EngineStats
+from spinwheel.engine.pp_lora import checked_update
 from spinwheel.engine.pp_stage import check_checkpoint_pp_degree
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
@@ -202,7 +205,15 @@ class PPEngine(LLMEngine):
         return held, filled
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError("update_weights under pipeline parallelism is not built yet (issue 26)")
+        """:meth:`LLMEngine.update_weights` over the stages: the names and shapes checked against the whole model
+        first, then stage 0's part loaded here and every other stage's sent through its pipe, behind the iterations
+        in flight (which finish on the old weights: :mod:`~spinwheel.engine.pp_lora`). Every micro-batch's prefix
+        cache is dropped; as on one device, call it between generations (running requests would mix old and new
+        K/V)."""
+        state = checked_update(model_or_state_dict, self.loras.full_model())  # type: ignore[attr-defined]
+        self.executor.update_weights(state)  # type: ignore[union-attr]
+        for micro in self.micro:
+            micro.scheduler.reset_prefix_cache()
 
 
 def engine_class(config: EngineConfig) -> type[LLMEngine]:

@@ -19,8 +19,10 @@ transfer fails), and the engine raises :class:`PipelineParallelError` naming it 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
+import pickle
 from collections import deque
 
 import torch
@@ -28,7 +30,16 @@ import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
-from spinwheel.engine.pp_stage import PPStep, StageModel, StageRunner, check_pp_degree, stage_pool_config, stage_state
+from spinwheel.engine.pp_lora import load_stage_weights, stage_part
+from spinwheel.engine.pp_stage import (
+    PPStep,
+    StageModel,
+    StageRunner,
+    check_pp_degree,
+    stage_layers,
+    stage_pool_config,
+    stage_state,
+)
 from spinwheel.engine.tp_executor import make_runner as make_tp_runner
 from spinwheel.engine.tp_worker import to_device
 from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, driver_steps, join_engine_group
@@ -70,7 +81,7 @@ class PPExecutor(WorkerProcesses):
         super().__init__(pp, timeout_s)
         self._sends: deque[tuple[Handle, torch.Tensor]] = deque()  # hidden states sent to stage 1, in flight
         self._pending: deque[StepInputs] = deque()  # iterations launched whose logits have not come back
-        self.pp = pp
+        self.pp, self.model_config = pp, model.config
         self.forwards = 0  # iterations launched that run the model
         self.most_in_flight = 0  # the most iterations ever in flight at once
         # gloo even on GPUs: its sends progress in the background, so iterations in flight in both directions
@@ -108,7 +119,7 @@ class PPExecutor(WorkerProcesses):
             return False
         cpu = to_device(inputs, torch.device("cpu")) if self.runner.model.device.type != "cpu" else inputs
         step = PPStep(*moves, cpu)  # type: ignore[arg-type]
-        self.send_all(step)
+        self.send(step)
         self.runner.move(step)
         if inputs is None:
             return False
@@ -121,6 +132,33 @@ class PPExecutor(WorkerProcesses):
         self.forwards += 1
         self.most_in_flight = max(self.most_in_flight, len(self._pending))
         return True
+
+    def send(self, step: PPStep, weights: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """Send ``step`` to every stage, with its part of the adapters added since the last message and its part of
+        ``weights`` (per stage: stage s's is ``weights[s]``), if any (:mod:`~spinwheel.engine.pp_lora`)."""
+        shipments = self.runner.loras.take_pending()  # type: ignore[attr-defined]
+        if not shipments and weights is None:
+            return self.send_all(step)
+        if self.failure is None:
+            self.failure = self.dead()
+        if self.failure is not None:
+            raise self.error_class(f"{self.failure}; the engine cannot continue: close it")
+        try:
+            for stage, conn in enumerate(self.conns, 1):
+                layers = stage_layers(self.model_config.num_hidden_layers, self.pp, stage)
+                part = [stage_part(s, layers) for s in shipments]
+                message = dataclasses.replace(step, adapters=part, weights=None if weights is None else weights[stage])
+                conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as e:
+            raise self.error(e) from e
+
+    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the whole model's tensors ``state`` (checked: :func:`~spinwheel.engine.pp_lora.checked_update`):
+        stage 0's here at once, every other stage's part through its pipe, after the iterations in flight."""
+        parts = [stage_state(state, self.model_config, self.pp, s) for s in range(self.pp)]
+        copies = [{k: v.detach().cpu().clone() for k, v in part.items()} for part in parts[1:]]  # own storage each
+        self.send(PPStep([], [], [], None), weights=[parts[0], *copies])
+        load_stage_weights(self.runner, parts[0])
 
     def collect(self) -> StepLogits:
         """The logits of the oldest iteration in flight, from the last stage."""
@@ -173,6 +211,7 @@ def _run_stage(conn, runner: ModelRunner, stage: int, pp: int, timeout: datetime
     sends: deque[tuple[Handle, torch.Tensor]] = deque()
     width = runner.model.config.hidden_size
     for step in driver_steps(conn):
+        runner.receive(step)  # type: ignore[attr-defined]
         runner.move(step)  # type: ignore[attr-defined]
         inputs = step.inputs
         if inputs is None:

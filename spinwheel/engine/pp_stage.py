@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +27,8 @@ from torch import nn
 from spinwheel.engine import cpu_forward
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs
-from spinwheel.engine.multi_lora import AdapterRegistry
+from spinwheel.engine.pp_lora import PPAdapterRegistry, load_stage_weights
+from spinwheel.engine.tp_lora import AdapterShipment
 from spinwheel.engine.tp_worker import checkpoint_config, pool_sizes
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import Block, RMSNorm, RotaryEmbedding, run_blocks
@@ -61,10 +62,11 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
 
 
 def stage_state(state: dict[str, torch.Tensor], config: ModelConfig, pp: int, stage: int) -> dict[str, torch.Tensor]:
-    """The tensors of ``stage`` out of the full ``state`` (by reference), its layers renumbered from 0: the
-    embedding on the first stage, the final norm and the LM head on the last (a tied head: the embedding's tensor,
-    which the last stage then holds as well); every stage gets ``rotary.inv_freq`` when ``state`` has it (the
-    model's own, whatever its dtype, so every stage rotates exactly as the model does)."""
+    """The tensors of ``stage`` out of the full ``state`` (by reference; a weight update's may be part of the
+    model's), its layers renumbered from 0: the embedding on the first stage, the final norm and the LM head on the
+    last (a tied head: the embedding's tensor, which the last stage then holds as well); every stage gets
+    ``rotary.inv_freq`` when ``state`` has it (the model's own, whatever its dtype, so every stage rotates exactly as
+    the model does)."""
     layers, last = stage_layers(config.num_hidden_layers, pp, stage), stage == pp - 1
     out = {}
     for name, t in state.items():
@@ -75,8 +77,8 @@ def stage_state(state: dict[str, torch.Tensor], config: ModelConfig, pp: int, st
                 out[f"layers.{int(index) - layers.start}.{rest}"] = t
         elif head == "rotary" or (head == "embed_tokens" and stage == 0) or (head in ("norm", "lm_head") and last):
             out[name] = t
-    if stage == pp - 1 and "lm_head.weight" not in out:
-        out["lm_head.weight"] = state["embed_tokens.weight"]  # tied and saved once
+    if last and "lm_head.weight" not in out and "embed_tokens.weight" in state and config.tie_word_embeddings:
+        out["lm_head.weight"] = state["embed_tokens.weight"]  # tied and saved once (or a weight update's embedding)
     return out
 
 
@@ -135,21 +137,20 @@ def stage_pool_config(config: EngineConfig, model_config: ModelConfig, dtype: to
     return dataclasses.replace(config, num_kv_blocks=blocks * pp, num_cpu_blocks=cpu * pp)
 
 
-class _NoAdapters(AdapterRegistry):
-    def add(self, name: str, path) -> None:
-        raise NotImplementedError("LoRA adapters are not served under pipeline parallelism yet (issue 26)")
-
-
 @dataclass
 class PPStep:
     """What the driver sends every stage per engine iteration: the block moves, the flat batch (CPU tensors; None
-    when the iteration only moves blocks), or ``stop``."""
+    when the iteration only moves blocks), or ``stop``. A stage first installs ``adapters`` (its part of those the
+    driver added since its last message) and loads ``weights`` (its part of an ``update_weights``;
+    :mod:`~spinwheel.engine.pp_lora`)."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copy: list[tuple[int, int]]
     inputs: StepInputs | None
     stop: bool = False
+    adapters: list[AdapterShipment] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] | None = None
 
 
 class StageRunner(ModelRunner):
@@ -157,7 +158,7 @@ class StageRunner(ModelRunner):
 
     def __init__(self, model: StageModel, config: EngineConfig, max_model_len: int) -> None:
         super().__init__(model, dataclasses.replace(config, cpu_packed_weights=False), max_model_len)  # type: ignore
-        self.loras = _NoAdapters(model)  # type: ignore[arg-type]
+        self.loras = PPAdapterRegistry(model, stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage))
         if config.cpu_packed_weights and model.device.type == "cpu":
             cpu_forward.bound_primitive_caches(config.onednn_cache_capacity)
         if config.cpu_packed_weights and cpu_forward.supports(model):  # type: ignore[arg-type]
@@ -169,6 +170,13 @@ class StageRunner(ModelRunner):
             "spinwheel.engine.pp_engine.engine_class(config)"
         )
 
+    def receive(self, step: PPStep) -> None:
+        """What a message brings before its iteration: adapters the driver added, an update's weights."""
+        for shipment in step.adapters:
+            self.loras.receive(shipment)  # type: ignore[attr-defined]
+        if step.weights is not None:
+            load_stage_weights(self, step.weights)
+
     def move(self, step: PPStep) -> None:
         if step.swap_out or step.swap_in or step.copy:
             moves = dict(blocks_to_swap_out=step.swap_out, blocks_to_swap_in=step.swap_in, blocks_to_copy=step.copy)
@@ -177,13 +185,15 @@ class StageRunner(ModelRunner):
     @torch.inference_mode()
     def stage_forward(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's layers over the flat batch: from the tokens (stage 0) or the previous stage's ``hidden``
-        (N, C); returns the hidden states (N, C) to hand on, normalised on the last stage."""
+        (N, C); returns the hidden states (N, C) to hand on, normalised on the last stage. Each row goes through
+        its adapter's factors of this stage's layers."""
         m = self.model
-        if self.packed is not None:
-            return self.packed_forward(inputs, hidden)
-        x = m.embed_tokens(inputs.input_ids) if hidden is None else hidden  # type: ignore[misc]
-        x = run_blocks(m.layers, m.rotary, x[None], inputs.positions[None], inputs.meta)[0]
-        return m.norm(x) if m.norm is not None else x
+        with self.loras.active(inputs.lora_slots, m.device):
+            if self.packed is not None:
+                return self.packed_forward(inputs, hidden)
+            x = m.embed_tokens(inputs.input_ids) if hidden is None else hidden  # type: ignore[misc]
+            x = run_blocks(m.layers, m.rotary, x[None], inputs.positions[None], inputs.meta)[0]
+            return m.norm(x) if m.norm is not None else x
 
     def memory(self) -> dict[str, int]:
         """This stage's memory in bytes: its layers' weights, the edge weights, its KV cache."""
