@@ -96,14 +96,6 @@ def test_each_rank_holds_half_the_weights_and_of_every_block(engines):
     assert tp.engine.runner.num_blocks == one.engine.runner.num_blocks
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_what_tp_does_not_do_yet_is_refused(engines):
-    tp, one = engines
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        tp.update_weights(one.model)
-
-
 def test_tp_degree_must_divide_heads_before_anything_starts():
     before = len(multiprocessing.active_children())
     with pytest.raises(ValueError, match=r"tensor_parallel_size 4 must divide the model's num_key_value_heads \(2\)"):

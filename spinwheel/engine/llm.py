@@ -18,6 +18,7 @@ from spinwheel.engine.llm_engine import EngineStats
 from spinwheel.engine.outputs import RequestOutput
 from spinwheel.engine.pp_engine import engine_class
 from spinwheel.engine.sampling_params import SamplingParams
+from spinwheel.engine.tp_executor import TPExecutor
 from spinwheel.engine.tp_worker import check_checkpoint_tp_degree
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -113,11 +114,17 @@ class LLM:
         self.engine.loras.add(name, path)
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
-        """New weights from the trainer (in process); invalidates the prefix cache."""
-        if self.engine.executor is not None:
-            kind = "pipeline" if self.engine.config.pipeline_parallel_size > 1 else "tensor"
-            raise NotImplementedError(f"update_weights under {kind} parallelism (resharding) is not built yet")
-        self.engine.update_weights(model_or_state_dict)
+        """New weights from the trainer (in process); invalidates the prefix cache. Under tensor parallelism the
+        full weights are resharded: each rank gets its slices (:mod:`~spinwheel.engine.tp_update`)."""
+        executor = self.engine.executor
+        if isinstance(executor, TPExecutor):
+            executor.update_weights(model_or_state_dict)
+            self.engine.scheduler.reset_prefix_cache()  # as one device's update_weights
+            self.engine.runner.install()
+        elif executor is not None and self.engine.config.pipeline_parallel_size == 1:  # the RL loop's --engine-tp
+            raise NotImplementedError("update_weights on the RL loop's engine shards: the loop reshards into them")
+        else:
+            self.engine.update_weights(model_or_state_dict)  # one device, or the pipeline engine's stages
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -8,7 +8,9 @@ block manager, sampler and detokenizer run on the driver only; per step the driv
 block moves and the flat batch it prepared (:class:`~spinwheel.engine.tp_worker.Step`, one pickle through a pipe
 per worker — vLLM ships its ``ExecuteModelRequest`` the same way, through a message queue rather than a collective,
 so idle workers wait on a pipe without a collective timing out), then runs the step on its own shard; the workers
-run the same step on theirs; the ranks meet in the forward's all-reduces and the logits' all-gather.
+run the same step on theirs; the ranks meet in the forward's all-reduces and the logits' all-gather. New full
+weights (:meth:`TPExecutor.update_weights`) are checked and cut on the driver, and each worker gets only its slices
+(:mod:`~spinwheel.engine.tp_update`).
 
 Faults: the collectives wait at most ``timeout_s``; a worker that exited is noticed before each step (and when a
 collective fails), and the step raises :class:`TensorParallelError` naming it; :meth:`TPExecutor.close` then stops
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner
+from spinwheel.engine.tp_update import Layout, checked_state, full_layout, load_slices, own_slices, ship
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_tp_degree, pool_sizes, shard_model, worker_main
 from spinwheel.engine.workers import TensorParallelError, WorkerProcesses  # noqa: F401 (the error is named from here)
 from spinwheel.models.transformer import Transformer
@@ -60,7 +64,9 @@ class TPExecutor(WorkerProcesses):
         tp = config.tensor_parallel_size
         check_tp_degree(model.config, tp)
         super().__init__(tp, timeout_s)
-        self.tp = tp
+        self.tp, self.model_config = tp, model.config
+        self.layout: Layout | None = None  # the full model's shapes and split dims, on the first weight update
+        self.update_bytes: list[int] = []  # each worker's message in the last weight update
         self.forwards = 0  # steps sent that run the model (the others only move blocks)
         backend = "nccl" if model.device.type == "cuda" else "gloo"
         runner_config = pool_sizes(config, model.config, model.dtype, max_model_len)
@@ -82,6 +88,32 @@ class TPExecutor(WorkerProcesses):
         """Ship one step to every worker (raises :class:`TensorParallelError` if one is gone)."""
         self.send_all(step)
         self.forwards += step.inputs is not None
+
+    def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
+        """Load new full weights on every rank: checked here first (a bad tensor is one line and no rank changes),
+        each worker sent only its slices, the driver's own loaded meanwhile; returns once every rank has them."""
+        shard = self.runner.model
+        if model_or_state_dict is shard:
+            raise ValueError("update_weights: that is the engine's own shard (rank 0's slices); pass the full model")
+        if self.layout is None:
+            self.layout = full_layout(self.model_config, self.axis, self.comm)
+        state = checked_state(model_or_state_dict, self.layout)
+        self.failure = self.failure or self.dead()
+        if self.failure is not None:
+            raise self.error_class(f"{self.failure}; the engine cannot continue: close it")
+        dtypes = {name: p.dtype for name, p in shard.named_parameters(remove_duplicate=False)}
+        try:
+            self.update_bytes = ship(
+                self.conns, state, self.layout, dtypes, lambda w: Step([], [], [], None, weights=w)
+            )
+            load_slices(shard, own_slices(state, self.layout, self.tp, 0))
+            for rank, conn in enumerate(self.conns, 1):
+                if not conn.poll(self.timeout_s):
+                    self.failure = f"{self.kind} {rank} did not load its weights within {self.timeout_s:.0f}s"
+                    raise self.error_class(f"{self.failure}; the engine cannot continue: close it")
+                conn.recv()
+        except (OSError, EOFError) as e:  # a worker gone
+            raise self.error(e) from e
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the workers (killing any that do not stop within ``timeout_s``) and leave the process group."""

@@ -12,6 +12,8 @@ A step is the same on every rank (:meth:`TPModelRunner.execute`): the block move
 over the inputs the driver prepared, then the LM head on the sampled rows; the vocab slices of the logits are
 all-gathered, so the driver samples from the whole (R, V) logits as on one device. LoRA adapters added on the driver
 travel with the next step (``Step.adapters``) and each rank serves its shard's slice (:mod:`~spinwheel.engine.tp_lora`).
+New weights (``LLM.update_weights``) come as a message of their own, each rank's slices only, acknowledged once
+loaded (:mod:`~spinwheel.engine.tp_update`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
 from spinwheel.engine.tp_lora import AdapterShipment, TPAdapterRegistry
+from spinwheel.engine.tp_update import load_slices
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import RotaryEmbedding, Transformer
 from spinwheel.parallel.comm import Comm
@@ -78,7 +81,9 @@ def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> No
 class Step:
     """What the driver sends each worker per step (vLLM's ``ExecuteModelRequest``): the schedule's block moves and
     the flat batch the driver prepared (tensors on CPU; None when the step only moves blocks), or ``stop``; and the
-    LoRA adapters added on the driver since the last step, which every rank installs before the step's forward."""
+    LoRA adapters added on the driver since the last step, which every rank installs before the step's forward.
+    With ``weights`` (this worker's slices of new weights, by name) it is an update, not a step: the worker loads
+    them and acknowledges (:mod:`~spinwheel.engine.tp_update`)."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
@@ -86,6 +91,7 @@ class Step:
     inputs: StepInputs | None
     stop: bool = False
     adapters: list[AdapterShipment] = dataclasses.field(default_factory=list)
+    weights: dict[str, torch.Tensor] | None = None
 
 
 def to_device(obj, device: torch.device):
@@ -227,7 +233,8 @@ def worker_main(
     max_model_len: int,
 ) -> None:
     """A worker process: join the TP group, build this rank's shard and runner, then run each step the driver
-    sends through ``conn`` until ``stop`` or until the driver is gone (its end of the pipe closed)."""
+    sends through ``conn`` until ``stop`` or until the driver is gone (its end of the pipe closed); a weight update
+    is loaded and acknowledged (the number of elements written)."""
     import torch.distributed as dist
 
     from spinwheel.engine.workers import driver_steps, join_engine_group
@@ -241,6 +248,9 @@ def worker_main(
         )
         conn.send(runner.shard_bytes())
         for step in driver_steps(conn):
-            runner.execute(step)
+            if step.weights is not None:
+                conn.send(load_slices(runner.model, step.weights))
+            else:
+                runner.execute(step)
     finally:
         dist.destroy_process_group()
