@@ -14,11 +14,11 @@ added; an iteration that uses the adapter is scheduled after that, so its messag
 pipe. Iterations still in flight on the stages carry no rows of the new slot, so installing it under them changes
 nothing they compute.
 
-Weight updates follow the same order: the driver checks the names and shapes against the whole model (an unknown
-name is the one-line KeyError of one device's ``update_weights``; names missing from a state dict keep their
-weights, as on one device), loads its own part at once and sends each stage its part in a message of its own.
-Every iteration already launched is ahead of that message in each pipe (and past stage 0), so it runs on the old
-weights everywhere; every later one on the new weights everywhere.
+Weight updates follow the same order: the driver checks the names and shapes against the whole model (one device's
+one-line errors: a KeyError for an unknown name, a RuntimeError for a wrong shape; names missing from a state dict
+keep their weights, as on one device), loads its own part at once and sends each stage its part in a message of its
+own. Every iteration already launched is ahead of that message in each pipe (and past stage 0), so it runs on the
+old weights everywhere; every later one on the new weights everywhere.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import nn
 
 from spinwheel.engine.multi_lora import AdapterRegistry
 from spinwheel.engine.tp_lora import AdapterShipment
+from spinwheel.engine.tp_update import checked_state
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.lora import LoRAError, lora_layers
 from spinwheel.models.transformer import Transformer
@@ -104,21 +105,10 @@ def checked_update(
     model_or_state_dict: Transformer | dict[str, torch.Tensor], whole: Transformer
 ) -> dict[str, torch.Tensor]:
     """The tensors an ``update_weights`` call gives (a model's: all but the rotary buffer, as one device takes them),
-    checked against the whole model ``whole`` before anything changes: an unknown name is one device's one-line
-    KeyError, a wrong shape a one-line ValueError."""
-    if isinstance(model_or_state_dict, nn.Module):
-        state = {k: v for k, v in model_or_state_dict.state_dict().items() if not k.startswith("rotary.")}
-    else:
-        state = dict(model_or_state_dict)
-    shapes = {k: v.shape for k, v in whole.state_dict().items()}
-    for name, t in state.items():
-        if name not in shapes:
-            raise KeyError(f"update_weights: unexpected tensor '{name}'")
-        if tuple(t.shape) != tuple(shapes[name]):
-            raise ValueError(
-                f"update_weights: tensor '{name}' has shape {tuple(t.shape)}, the model's is {tuple(shapes[name])}"
-            )
-    return state
+    checked against the whole model ``whole`` before anything changes, as the tensor-parallel engine checks them
+    (:func:`~spinwheel.engine.tp_update.checked_state`: one device's KeyError for an unknown name and RuntimeError
+    for a wrong shape, in one line)."""
+    return checked_state(model_or_state_dict, {name: (t.shape, None) for name, t in whole.state_dict().items()})
 
 
 @torch.no_grad()
