@@ -156,7 +156,7 @@ class PPExecutor(WorkerProcesses):
         """Load the whole model's tensors ``state`` (checked: :func:`~spinwheel.engine.pp_lora.checked_update`):
         stage 0's here at once, every other stage's part through its pipe, after the iterations in flight."""
         parts = [stage_state(state, self.model_config, self.pp, s) for s in range(self.pp)]
-        copies = [{k: v.detach().cpu().clone() for k, v in part.items()} for part in parts[1:]]  # own storage each
+        copies = [{k: _compact(v) for k, v in part.items()} for part in parts[1:]]
         self.send(PPStep([], [], [], None), weights=[parts[0], *copies])
         load_stage_weights(self.runner, parts[0])
 
@@ -178,6 +178,12 @@ class PPExecutor(WorkerProcesses):
         self.stop_workers(PPStep([], [], [], None, stop=True), timeout_s)
         self._sends.clear()
         self._pending.clear()
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU with a storage of its own (pickling a view would send its whole storage)."""
+    t = t.detach().cpu()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def stage_main(
