@@ -9,14 +9,18 @@ the model on the meta device; each slice is ``chunk(N, dim)[r]``, as its ``_shar
 :class:`~spinwheel.engine.tp_reshard.Resharder` applies to a trainer's full weights too), so the shards equal a fresh
 engine's bit for bit.
 
-Each worker is sent ONLY its own slices, as a message of its own (a :class:`~spinwheel.engine.tp_worker.Step` whose
-``weights`` is set, sent now rather than with the next step) — not with the next step's one pickle for all, which
-would carry every rank's slices to every worker and keep them on the driver until then. Each slice is copied into
-storage of its own before pickling (a view would pickle its whole base tensor). The driver loads its own slices
-while the workers load theirs, then waits for each worker's acknowledgement (at most ``timeout_s``), so when
-``update_weights`` returns every rank holds the new weights; the steps that follow go down the same pipes, after it.
-LoRA adapters being served keep their factors (their wrappers share the base's weight tensors, which are overwritten
-in place), so they run over the new base. The caller then drops the prefix cache, as one device does.
+Each worker is sent ONLY its own slices, as a message of its own rather than with the next step (whose one pickle
+goes to every worker, and which would keep every rank's slices on the driver until then): a
+:class:`~spinwheel.engine.tp_worker.Step` whose ``weights`` lists the slices' names, shapes and dtypes, then each
+slice's bytes as a raw pipe message (:func:`ship`), which the worker reads straight into its weight
+(:func:`receive_slices`). No pickling of tensors (torch pickles a view with its whole base storage, through
+``torch.save``): a slice that is already a contiguous CPU block in the shard's dtype (vocabulary rows, the
+column-parallel weights' rows) goes out of the caller's memory as it is, the others through one copy, one tensor at
+a time, so the driver never holds another rank's shard. The driver loads its own slices after sending, then waits
+for each worker's acknowledgement (at most ``timeout_s``), so when ``update_weights`` returns every rank holds the
+new weights; the steps that follow go down the same pipes, after it. LoRA adapters being served keep their factors
+(their wrappers share the base's weight tensors, which are overwritten in place), so they run over the new base.
+The caller then drops the prefix cache, as one device does.
 """
 
 from __future__ import annotations
@@ -72,28 +76,53 @@ def own_slices(state: dict[str, torch.Tensor], layout: Layout, n: int, r: int) -
     return {k: t if layout[k][1] is None else t.chunk(n, dim=layout[k][1])[r] for k, t in state.items()}
 
 
-def rank_slices(state: dict[str, torch.Tensor], layout: Layout, n: int, r: int, dtypes: dict) -> dict:
-    """:func:`own_slices`, each copied into storage of its own on the CPU (a view would pickle its whole base) in
-    the dtype of the shard's tensor (``dtypes``)."""
-    return {k: torch.empty(t.shape, dtype=dtypes[k]).copy_(t) for k, t in own_slices(state, layout, n, r).items()}
+def raw(t: torch.Tensor):
+    """The bytes of contiguous CPU tensor ``t`` as a writable buffer over its memory (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def ship(conns: list, state: dict[str, torch.Tensor], layout: Layout, dtypes: dict, message) -> list[int]:
+    """Send worker ``i`` (rank i + 1) ``message(manifest)`` (its slices' names, shapes and dtypes), then each
+    slice's bytes as a raw message of its own: a slice of a contiguous CPU tensor in the shard's dtype goes out of
+    the caller's memory as it is (the embedding's rows, the column-parallel weights), the others (the row-parallel
+    weights' columns, another dtype or device) through one copy, one tensor at a time. Returns each worker's bytes."""
+    sizes = []
+    for rank, conn in enumerate(conns, 1):
+        parts = own_slices(state, layout, len(conns) + 1, rank)
+        head = pickle.dumps(message([(k, tuple(t.shape), dtypes[k]) for k, t in parts.items()]))
+        conn.send_bytes(head)
+        sent = len(head)
+        for name, t in parts.items():
+            if t.device.type != "cpu" or t.dtype != dtypes[name] or not t.is_contiguous():
+                t = torch.empty(t.shape, dtype=dtypes[name]).copy_(t)
+            data = raw(t)
+            conn.send_bytes(data)
+            sent += data.nbytes
+        sizes.append(sent)
+    return sizes
+
+
+@torch.no_grad()
+def receive_slices(conn, model: Transformer, manifest: list[tuple[str, tuple[int, ...], torch.dtype]]) -> int:
+    """On a worker: read the slices ``manifest`` announces from ``conn`` into the shard, in place (straight into a
+    contiguous CPU weight, else through a buffer); returns the number of elements written."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    written = 0
+    for name, shape, dtype in manifest:
+        dst = params[name]
+        direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous()
+        buf = dst if direct else torch.empty(shape, dtype=dtype)
+        conn.recv_bytes_into(raw(buf))
+        if not direct:
+            dst.copy_(buf)
+        written += buf.numel()
+    return written
 
 
 @torch.no_grad()
 def load_slices(model: Transformer, slices: dict[str, torch.Tensor]) -> int:
-    """Copy this rank's ``slices`` into its shard, in place; returns the number of elements written."""
+    """Copy the driver's ``slices`` into its shard, in place; returns the number of elements written."""
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, t in slices.items():
         params[name].copy_(t)
     return sum(t.numel() for t in slices.values())
-
-
-def ship(conns: list, state: dict[str, torch.Tensor], layout: Layout, dtypes: dict, message) -> list[int]:
-    """Send worker ``i`` (rank i + 1) ``message(its slices of state)``, one rank after the other (the driver holds
-    one rank's copies at a time); returns each message's bytes."""
-    sizes = []
-    for rank, conn in enumerate(conns, 1):
-        data = pickle.dumps(message(rank_slices(state, layout, len(conns) + 1, rank, dtypes)), protocol=5)
-        conn.send_bytes(data)
-        sizes.append(len(data))
-        del data
-    return sizes

@@ -30,7 +30,7 @@ import torch
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
 from spinwheel.engine.tp_lora import AdapterShipment, TPAdapterRegistry
-from spinwheel.engine.tp_update import load_slices
+from spinwheel.engine.tp_update import receive_slices
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import RotaryEmbedding, Transformer
 from spinwheel.parallel.comm import Comm
@@ -82,8 +82,9 @@ class Step:
     """What the driver sends each worker per step (vLLM's ``ExecuteModelRequest``): the schedule's block moves and
     the flat batch the driver prepared (tensors on CPU; None when the step only moves blocks), or ``stop``; and the
     LoRA adapters added on the driver since the last step, which every rank installs before the step's forward.
-    With ``weights`` (this worker's slices of new weights, by name) it is an update, not a step: the worker loads
-    them and acknowledges (:mod:`~spinwheel.engine.tp_update`)."""
+    With ``weights`` (the names, shapes and dtypes of this worker's slices of new weights, whose bytes follow as
+    raw messages) it is an update, not a step: the worker reads them into its shard and acknowledges
+    (:mod:`~spinwheel.engine.tp_update`)."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
@@ -91,7 +92,7 @@ class Step:
     inputs: StepInputs | None
     stop: bool = False
     adapters: list[AdapterShipment] = dataclasses.field(default_factory=list)
-    weights: dict[str, torch.Tensor] | None = None
+    weights: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
 
 
 def to_device(obj, device: torch.device):
@@ -249,7 +250,7 @@ def worker_main(
         conn.send(runner.shard_bytes())
         for step in driver_steps(conn):
             if step.weights is not None:
-                conn.send(load_slices(runner.model, step.weights))
+                conn.send(receive_slices(conn, runner.model, step.weights))
             else:
                 runner.execute(step)
     finally:
