@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner
-from spinwheel.engine.tp_update import Layout, checked_state, full_layout, load_slices, own_slices, ship
+from spinwheel.engine.tp_update import Layout, checked_state, full_layout, load_slices, own_slices, ship, untied
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_tp_degree, pool_sizes, shard_model, worker_main
 from spinwheel.engine.workers import TensorParallelError, WorkerProcesses  # noqa: F401 (the error is named from here)
 from spinwheel.models.transformer import Transformer
@@ -97,7 +97,7 @@ class TPExecutor(WorkerProcesses):
             raise ValueError("update_weights: that is the engine's own shard (rank 0's slices); pass the full model")
         if self.layout is None:
             self.layout = full_layout(self.model_config, self.axis, self.comm)
-        state = checked_state(model_or_state_dict, self.layout)
+        state = untied(checked_state(model_or_state_dict, self.layout), shard)
         self.failure = self.failure or self.dead()
         if self.failure is not None:
             raise self.error_class(f"{self.failure}; the engine cannot continue: close it")

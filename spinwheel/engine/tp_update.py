@@ -71,6 +71,18 @@ def checked_state(model_or_state_dict: Transformer | dict[str, torch.Tensor], la
     return {k: v.detach() for k, v in state.items()}
 
 
+def untied(state: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
+    """``state`` less the names of a tied weight (the LM head sharing the embedding) whose tensor is one it holds
+    already under the weight's first name: it is sent and loaded once."""
+    first: dict[int, str] = {}
+    aliases = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    return {
+        k: t
+        for k, t in state.items()
+        if aliases[k] == k or aliases[k] not in state or state[aliases[k]].data_ptr() != t.data_ptr()
+    }
+
+
 def own_slices(state: dict[str, torch.Tensor], layout: Layout, n: int, r: int) -> dict[str, torch.Tensor]:
     """Rank ``r``'s slices (of ``n``) of ``state``: views, nothing copied."""
     return {k: t if layout[k][1] is None else t.chunk(n, dim=layout[k][1])[r] for k, t in state.items()}
