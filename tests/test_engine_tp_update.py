@@ -1,12 +1,13 @@
 """``update_weights`` on the tensor-parallel engine (2 gloo ranks on CPU): the driver checks the full weights, cuts
 each rank's slices and sends each worker only its own.
 
-After ``update_weights(other)`` an engine built from another model serves ``other`` exactly as a TP engine freshly
-built from ``other`` does (the driver's shard bit-equal, greedy tokens and logprobs equal, the base and a LoRA
-adapter served over it), and as one device holding ``other`` does (tokens exact, logprobs 1e-5); each worker was
-sent its slices only (its message is its shard's size, not the model's). A state dict with a wrong-shape or an
-unknown tensor is one line and changes no rank: the engine serves its old weights. One TP group per process: the
-fresh engine runs, is measured and closed before the updated one starts.
+A TP engine freshly built from ``other`` is the reference: updated to another model (its tokens then that model's on
+one device) and back to ``other`` (a state dict), its driver's shard is bit-equal to the fresh one's and greedy
+tokens and logprobs equal the fresh engine's exactly (so every rank's slices are), for the base and a LoRA adapter
+served over it, and one device's holding ``other`` (tokens exact, logprobs 1e-5); the worker was sent its slices only
+(its shard's bytes, not the model's). A state dict with a wrong-shape or an unknown tensor is one line and changes no
+rank: the engine serves its old weights; a partial one updates what it names, as on one device. One TP engine (one
+process group per process), so the fresh engine and the updated one are the same.
 """
 
 from __future__ import annotations
