@@ -206,6 +206,20 @@ def test_update_weights_invalidates_prefix_cache_and_shared_model_still_trains(m
     assert c == LLM(model).generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
 
 
+def test_update_weights_checks_every_tensor_before_loading_any(model):
+    """A wrong-shape or unknown tensor is one line and nothing is loaded (not the tensors before it either)."""
+    m = Transformer(model.config).init_weights(seed=5, std=0.1)
+    llm = LLM(m, block_size=4)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    other = Transformer(model.config).init_weights(seed=6, std=0.1).state_dict()
+    bad = {**other, "lm_head.weight": torch.zeros(3, 3)}  # the last name: every other tensor comes first
+    with pytest.raises(RuntimeError, match=r"^update_weights: size mismatch for 'lm_head.weight': \(3, 3\) given"):
+        llm.update_weights(bad)
+    with pytest.raises(KeyError, match="update_weights: unexpected tensor 'layers.9.mlp.up_proj.weight'"):
+        llm.update_weights({**other, "layers.9.mlp.up_proj.weight": torch.zeros(1)})
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -29,6 +29,7 @@ from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from spinwheel.engine.tp_update import checked_state
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.threads import fit_threads
@@ -337,14 +338,9 @@ class LLMEngine:
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
         """Load new weights in place (from a model or a state dict) and drop the prefix cache, whose K/V were
         computed with the old ones. Call between generations: running requests would mix old and new K/V."""
-        if isinstance(model_or_state_dict, Transformer):
-            if model_or_state_dict is not self.model:
-                state = {k: v for k, v in model_or_state_dict.state_dict().items() if not k.startswith("rotary.")}
-                self.model.load_state_dict(state, strict=False)
-        else:
+        if model_or_state_dict is not self.model:  # checked whole first: a bad tensor is one line, nothing loaded
+            state = checked_state(model_or_state_dict, {k: (t.shape, None) for k, t in self.model.state_dict().items()})
             with torch.no_grad():
-                missing, unexpected = self.model.load_state_dict(model_or_state_dict, strict=False)
-            if unexpected:
-                raise KeyError(f"update_weights: unexpected tensor '{unexpected[0]}'")
+                self.model.load_state_dict(state, strict=False)
         self.scheduler.reset_prefix_cache()
         self.runner.install()
