@@ -69,7 +69,7 @@ class EngineConfig:
         1,
         help="pipeline-parallel degree: the model's layers in P contiguous stages on P processes (gloo; on GPUs "
         "0..P-1 through host memory), P micro-batches in flight (Orca's inter-layer parallelism); P must divide the "
-        "layers",
+        "layers; with tensor_parallel_size T > 1 each stage is a T-rank tensor-parallel group (T·P processes)",
     )
     seed: int = option(0, help="seed of the engine's generator for requests without their own seed")
     dtype: str | None = option(None, help="model dtype when loading from a path (default: the checkpoint's)")
@@ -91,10 +91,6 @@ class EngineConfig:
             positive=("kv_cache_memory_mb",),
             name=str,
         )
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                "tensor_parallel_size and pipeline_parallel_size cannot both be > 1 yet: pick one (--tp or --pp)"
-            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -23,12 +23,12 @@ from spinwheel.engine.isolation import RequestFailures, failed_output, sample_is
 from spinwheel.engine.model_runner import StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.outputs import EngineStats, RequestOutput, StepInfo
-from spinwheel.engine.pp_executor import make_runner  # tensor- or pipeline-parallel, or one device
 from spinwheel.engine.sampler import Sampler, SampleRow
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from spinwheel.engine.tp_pp import make_runner  # one device, tensor- or pipeline-parallel, or both
 from spinwheel.engine.tp_update import checked_state
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer

@@ -14,8 +14,8 @@ micro-batch), parallel sampling and beams with copy-on-write, swap and recompute
 iteration travel with it to every stage. An abort or a stop string for a request whose iteration is in flight is
 applied once that iteration is back. LoRA adapters (mixed in a batch, added at any time) and ``update_weights``:
 each stage holds its own layers' part, shipped through its pipe in iteration order (:mod:`~spinwheel.engine.pp_lora`).
-Not yet: combining with tensor parallelism (refused in one line). Each micro-batch owns 1/P of the pool, so a request
-must fit in that.
+With ``tensor_parallel_size`` T > 1 every stage is a T-rank tensor-parallel group (:mod:`~spinwheel.engine.tp_pp`).
+Each micro-batch owns 1/P of the pool, so a request must fit in that.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from spinwheel.engine.pp_stage import check_checkpoint_pp_degree
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import SequenceGroup, SequenceStatus
+from spinwheel.engine.tp_worker import check_checkpoint_tp_degree
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.threads import fit_threads
@@ -79,7 +80,7 @@ class PPEngine(LLMEngine):
     def __init__(
         self, model: Transformer, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
     ) -> None:
-        super().__init__(model, tokenizer, config)  # pp_executor.make_runner: stage 0 here, the others spawned
+        super().__init__(model, tokenizer, config)  # tp_pp.make_runner: stage 0 here, the others spawned
         config, pp = self.config, self.config.pipeline_parallel_size
         n, m, bs = self.runner.num_blocks // pp, self.runner.num_cpu_blocks // pp, config.block_size
         if config.max_model_len is None and self.max_model_len > n * bs:
@@ -100,8 +101,10 @@ class PPEngine(LLMEngine):
     def from_pretrained(
         cls, path_or_preset: str | os.PathLike, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None
     ) -> PPEngine:
-        """:meth:`LLMEngine.from_pretrained`, the PP degree checked on the checkpoint's config first."""
-        check_checkpoint_pp_degree(path_or_preset, (config or EngineConfig()).pipeline_parallel_size)
+        """:meth:`LLMEngine.from_pretrained`, the PP (and TP) degree checked on the checkpoint's config first."""
+        config = config or EngineConfig()
+        check_checkpoint_pp_degree(path_or_preset, config.pipeline_parallel_size)
+        check_checkpoint_tp_degree(path_or_preset, config.tensor_parallel_size)
         return super().from_pretrained(path_or_preset, config, tokenizer)  # type: ignore[return-value]
 
     def _use(self, micro: _MicroBatch) -> None:

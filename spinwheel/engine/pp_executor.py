@@ -82,6 +82,7 @@ class PPExecutor(WorkerProcesses):
         self._sends: deque[tuple[Handle, torch.Tensor]] = deque()  # hidden states sent to stage 1, in flight
         self._pending: deque[StepInputs] = deque()  # iterations launched whose logits have not come back
         self.pp, self.model_config = pp, model.config
+        self.tp, self.next_rank, self.last_rank = 1, 1, pp - 1  # one rank per stage (tp_pp: T per stage)
         self.forwards = 0  # iterations launched that run the model
         self.most_in_flight = 0  # the most iterations ever in flight at once
         # gloo even on GPUs: its sends progress in the background, so iterations in flight in both directions
@@ -125,7 +126,7 @@ class PPExecutor(WorkerProcesses):
             return False
         hidden = self.runner.stage_forward(inputs).contiguous().cpu()  # a no-op on CPU
         try:
-            self._sends.append((Handle(dist.isend(hidden, 1, tag=_HIDDEN), self.timeout), hidden))
+            self._sends.append((Handle(dist.isend(hidden, self.next_rank, tag=_HIDDEN), self.timeout), hidden))
         except (RuntimeError, TimeoutError) as e:
             raise self.error(e) from e
         self._pending.append(inputs)
@@ -135,7 +136,8 @@ class PPExecutor(WorkerProcesses):
 
     def send(self, step: PPStep, weights: list[dict[str, torch.Tensor]] | None = None) -> None:
         """Send ``step`` to every stage, with its part of the adapters added since the last message and its part of
-        ``weights`` (per stage: stage s's is ``weights[s]``), if any (:mod:`~spinwheel.engine.pp_lora`)."""
+        ``weights`` (per rank: rank r's is ``weights[r]``; rank r holds stage r // tp), if any
+        (:mod:`~spinwheel.engine.pp_lora`)."""
         shipments = self.runner.loras.take_pending()  # type: ignore[attr-defined]
         if not shipments and weights is None:
             return self.send_all(step)
@@ -144,10 +146,10 @@ class PPExecutor(WorkerProcesses):
         if self.failure is not None:
             raise self.error_class(f"{self.failure}; the engine cannot continue: close it")
         try:
-            for stage, conn in enumerate(self.conns, 1):
-                layers = stage_layers(self.model_config.num_hidden_layers, self.pp, stage)
+            for rank, conn in enumerate(self.conns, 1):
+                layers = stage_layers(self.model_config.num_hidden_layers, self.pp, rank // self.tp)
                 part = [stage_part(s, layers) for s in shipments]
-                message = dataclasses.replace(step, adapters=part, weights=None if weights is None else weights[stage])
+                message = dataclasses.replace(step, adapters=part, weights=None if weights is None else weights[rank])
                 conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError as e:
             raise self.error(e) from e
@@ -166,7 +168,7 @@ class PPExecutor(WorkerProcesses):
         logits = torch.empty(len(inputs.picks), self.vocab, dtype=torch.float32)
         try:
             if logits.shape[0]:
-                Handle(dist.irecv(logits, self.pp - 1, tag=_LOGITS), self.timeout).wait()
+                Handle(dist.irecv(logits, self.last_rank, tag=_LOGITS), self.timeout).wait()
             while len(self._sends) > len(self._pending):  # this iteration's hidden states have left
                 self._sends.popleft()[0].wait()
         except (RuntimeError, TimeoutError) as e:
@@ -213,8 +215,13 @@ def stage_main(
         dist.destroy_process_group()
 
 
-def _run_stage(conn, runner: ModelRunner, stage: int, pp: int, timeout: datetime.timedelta) -> None:
+def _run_stage(
+    conn, runner: ModelRunner, stage: int, pp: int, timeout: datetime.timedelta, tp: int = 1, tp_rank: int = 0
+) -> None:
+    """A stage's iterations: receive from the previous stage's rank ``tp_rank`` (stage 0 embeds the tokens), run,
+    send to the next stage's (the last stage's TP rank 0 sends the gathered logits to the driver)."""
     sends: deque[tuple[Handle, torch.Tensor]] = deque()
+    rank = stage * tp + tp_rank
     width = runner.model.config.hidden_size
     for step in driver_steps(conn):
         runner.receive(step)  # type: ignore[attr-defined]
@@ -224,15 +231,18 @@ def _run_stage(conn, runner: ModelRunner, stage: int, pp: int, timeout: datetime
             continue
         device = runner.model.device
         inputs = to_device(inputs, device) if device.type != "cpu" else inputs
-        hidden = torch.empty(inputs.input_ids.shape[0], width, dtype=runner.model.dtype)
-        Handle(dist.irecv(hidden, stage - 1, tag=_HIDDEN), timeout).wait()
-        out = runner.stage_forward(inputs, hidden.to(device))  # type: ignore[attr-defined]
+        hidden = None
+        if stage > 0:
+            hidden = torch.empty(inputs.input_ids.shape[0], width, dtype=runner.model.dtype)
+            Handle(dist.irecv(hidden, rank - tp, tag=_HIDDEN), timeout).wait()
+            hidden = hidden.to(device)
+        out = runner.stage_forward(inputs, hidden)  # type: ignore[attr-defined]
         if stage == pp - 1:
             out, dst, tag = runner.select_rows(out, inputs).logits.contiguous(), 0, _LOGITS
-            if not out.shape[0]:
-                continue  # no row completes: the driver expects nothing
+            if not out.shape[0] or tp_rank:
+                continue  # no row completes (the driver expects nothing), or TP rank 0 sends them
         else:
-            out, dst, tag = out.contiguous(), stage + 1, _HIDDEN
+            out, dst, tag = out.contiguous(), rank + tp, _HIDDEN
         out = out.cpu()  # a no-op on CPU
         sends.append((Handle(dist.isend(out, dst, tag=tag), timeout), out))
         while len(sends) > pp:
