@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from spinwheel.cli_errors import Parser, check_policy_checkpoint, unknown_options
 from spinwheel.config import add_arguments, from_args, option
 
 if TYPE_CHECKING:
@@ -106,7 +107,8 @@ def run_generate(config: GenerateConfig, engine: EngineConfig | None = None) -> 
     texts = []
     for i, (prompt, out) in enumerate(zip(config.prompt, llm.generate(ids, config.sampling_params()))):
         if out.error:
-            raise ValueError(f"prompt {prompt!r}: {out.error}")
+            shown = repr(prompt) if len(prompt) <= 60 else f"{prompt[:40]!r}... ({len(prompt)} characters)"
+            raise ValueError(f"prompt {shown}: {out.error}")
         texts.append([c.text for c in out.outputs])
         print(("\n" if i else "") + format_completions(prompt, texts[-1]), flush=True)
     return texts
@@ -200,7 +202,7 @@ def build_parser(running: str | None = None) -> argparse.ArgumentParser:
     from spinwheel.rl.classic import command as classic_command
     from spinwheel.rl.llm.command import PREF_COMMANDS, add_pref_parser, add_rl_parser, rl_commands
 
-    parser = argparse.ArgumentParser(prog="spinwheel", description=DESCRIPTION)
+    parser = Parser(prog="spinwheel", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"spinwheel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
@@ -253,6 +255,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
     """Run the parsed command; returns its exit status."""
     check_device(getattr(ns, "device", None))
+    check_policy_checkpoint(ns)
     if ns.command == "demo":
         from spinwheel.demo import DemoConfig, run_demo
 
@@ -292,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         from spinwheel.parallel.launch import launch
 
         return launch(argv[1:])
-    ns = build_parser(argv[0] if argv and not argv[0].startswith("-") else None).parse_args(argv)
+    parser = build_parser(argv[0] if argv and not argv[0].startswith("-") else None)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        unknown_options(parser, ns, extra)
     from spinwheel.train.run import NonFiniteError
 
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; 0 in one process

@@ -100,6 +100,9 @@ def launch(argv: list[str]) -> int:
         if action.dest in ("training_script", "training_script_args"):
             action.metavar = "COMMAND" if action.dest == "training_script" else "OPTIONS"
     args = parser.parse_args(argv)
+    if (why := _bad_launch(args)) is not None:
+        print(f"spinwheel launch: error: {why} ('spinwheel launch --help' lists the options)", file=sys.stderr)
+        return 2
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script, args.module = "spinwheel", True
     for name in list(logging.root.manager.loggerDict):  # the agent's failure and shutdown logs: said below
@@ -107,6 +110,10 @@ def launch(argv: list[str]) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
+    except (ValueError, AssertionError) as e:  # torchrun's checks of its own options, before any worker starts
+        why = f"torchrun's options: {e or type(e).__name__}"
+        print(f"spinwheel launch: error: {why} ('spinwheel launch --help' lists them)", file=sys.stderr)
+        return 2
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # killed by signal N: 128 + N
@@ -116,6 +123,16 @@ def launch(argv: list[str]) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0
+
+
+def _bad_launch(args) -> str | None:
+    """What torchrun would answer with a traceback (or start a launcher in every worker for): one line, else None."""
+    n = str(args.nproc_per_node)
+    if not (n in ("auto", "cpu", "gpu", "xpu") or (n.isdigit() and int(n) >= 1)):
+        return f"--nproc-per-node {n}: expected a number >= 1, or auto, cpu, gpu, xpu"
+    if args.training_script == "launch":
+        return "launch inside launch: give the command itself (spinwheel launch --nproc-per-node 2 sft ...)"
+    return None
 
 
 def free_port() -> int:

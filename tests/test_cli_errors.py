@@ -1,0 +1,66 @@
+"""Bad command lines end in one line naming the command, the cause and what to do (in process: no subprocess)."""
+
+from __future__ import annotations
+
+import pytest
+
+import spinwheel
+from spinwheel.cli import main
+from spinwheel.models import ModelConfig, Transformer
+from spinwheel.parallel.launch import launch
+
+
+def _fail(capsys, argv: list[str]) -> list[str]:
+    """Run ``spinwheel argv``; assert exit status 2; return the lines it printed (stdout and stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    out = capsys.readouterr()
+    return (out.out + out.err).splitlines()
+
+
+def test_unknown_option_is_one_line_of_its_command_with_a_close_match(capsys):
+    (line,) = _fail(capsys, ["sft", "--stps", "4"])
+    assert line.startswith("spinwheel sft: error: unrecognized arguments: --stps 4 (--stps: did you mean --steps?)")
+    (line,) = _fail(capsys, ["generate", "--steps", "3"])  # another command's option: no far-fetched guess
+    help_hint = "('spinwheel generate --help' lists the options)"
+    assert line == f"spinwheel generate: error: unrecognized arguments: --steps 3 {help_hint}"
+
+
+def test_argparse_errors_are_one_line_without_the_usage_block(capsys, monkeypatch):
+    (line,) = _fail(capsys, ["dpo", "--loss-type", "foo"])
+    assert line.startswith("spinwheel dpo: error: argument --loss-type: invalid choice: 'foo'")
+    monkeypatch.setenv("RANK", "1")  # under torchrun rank 0 speaks for all
+    assert _fail(capsys, ["dpo", "--loss-type", "foo"]) == []
+
+
+def test_a_reward_model_is_refused_where_a_policy_is_needed(capsys, tmp_path):
+    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1)  # fmt: skip
+    spinwheel.save_pretrained(Transformer(cfg).init_weights(0), tmp_path / "rm")
+    for argv in (["generate"], ["grpo", "--out-dir", str(tmp_path / "run")]):
+        (line,) = _fail(capsys, [*argv, "--model", str(tmp_path / "rm")])
+        assert f"error: --model {tmp_path / 'rm'} is a reward model" in line
+    assert "--reward-model" in line and not (tmp_path / "run").exists()  # refused before the run starts
+
+
+def test_a_prompt_past_the_context_is_named_briefly(capsys):
+    (line,) = _fail(capsys, ["generate", "--model", "tiny", "--device", "cpu", "--prompt", "1" * 5000])
+    assert "'1111111111111111111111111111111111111111'... (5000 characters)" in line and len(line) < 300
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--nproc-per-node", "0", "sft"], "--nproc-per-node 0: expected a number >= 1"),
+        (["--nproc-per-node", "abc", "sft"], "--nproc-per-node abc: expected a number >= 1"),
+        (["--nproc-per-node", "1", "launch", "sft"], "launch inside launch"),
+        (["--nnodes", "2:1", "--nproc-per-node", "1", "sft"], "torchrun's options: min_nodes must be > 0"),
+    ],
+)
+def test_launch_refuses_bad_options_in_one_line(capsys, argv, why):
+    assert launch(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"spinwheel launch: error: {why}")
