@@ -108,15 +108,24 @@ class TPPPAdapterRegistry(PPAdapterRegistry):
 
 
 class TPStageRunner(StageRunner):
-    """A :class:`StageRunner` over a TP-split stage: the last stage's logits gathered over its TP group."""
+    """A :class:`StageRunner` over a TP-split stage: the last stage's logits gathered over its TP group. On the
+    driver ``executor`` names a lost rank when a collective of stage 0's forward fails."""
 
     select_rows = TPModelRunner.select_rows
 
     def __init__(self, model: StageModel, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm) -> None:
         super().__init__(model, dataclasses.replace(config, cpu_packed_weights=False), max_model_len)
-        self.axis, self.comm = axis, comm
+        self.axis, self.comm, self.executor = axis, comm, None
         layers = stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage)
         self.loras = TPPPAdapterRegistry(model, layers, axis)
+
+    def stage_forward(self, inputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        try:
+            return super().stage_forward(inputs, hidden)
+        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
+            if self.executor is None:
+                raise
+            raise self.executor.error(e) from e
 
 
 def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
@@ -170,13 +179,17 @@ class TPPPExecutor(PPExecutor):
         first = shard_stage(model.config, pp, 0, parts.pop(), self.axis, self.comm, model.device)
         del state
         self.runner = TPStageRunner(first, runner_config, max_model_len, self.axis, self.comm)
+        self.runner.executor = self
         self.vocab = model.lm_head.out_features
         self.memory = [self.runner.memory(), *self.started()]  # per rank: layer and edge weights, KV cache (bytes)
         logger.info("tensor×pipeline-parallel engine: %d stages × %d TP ranks, per-rank memory %s", pp, tp, self.memory)
 
     def dead(self) -> str | None:
-        """Which rank exited, if one did, by its stage and TP rank."""
-        for rank, proc in enumerate(self.procs, 1):
+        """Which rank exited, if one did, by its stage and TP rank: one killed by a signal first (its peers then
+        fail their collectives and exit with an error of their own)."""
+        ranks = sorted(range(1, len(self.procs) + 1), key=lambda r: (self.procs[r - 1].exitcode or 0) >= 0)
+        for rank in ranks:
+            proc = self.procs[rank - 1]
             if proc.exitcode is not None:
                 stage, t = divmod(rank, self.tp)
                 return (
