@@ -5,8 +5,8 @@ One TP-2 × PP-2 engine over the server tests' model (2 layers: one per stage, e
 of the module; the last one kills a rank.
 
 * greedy tokens and logprobs equal one device's on a mixed workload (long prompts, shared prefixes) with chunked
-  prefill and prefix caching, both micro-batches in flight; each rank holds a quarter of the layers' sharded
-  weights and of every KV block;
+  prefill, prefix caching and swap preemption, both micro-batches in flight; each rank holds a quarter of the
+  layers' sharded weights and of every KV block;
 * seeded sampling with parallel samples (copy-on-write block copies on every rank) equals one device's;
 * a LoRA adapter mixed with the base in a batch, then ``update_weights`` with another model's weights: one device's
   tokens and logprobs (each rank serves its stage's layers' factors, sliced for its TP rank);
@@ -33,8 +33,17 @@ from spinwheel.engine.tp_executor import TensorParallelError
 
 pytestmark = [pytest.mark.distributed]
 
-# 64 blocks of 4 (32 per micro-batch), a 16-token budget: long prompts are prefilled in chunks
-CONFIG = dict(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=96)
+# 40 blocks of 4 (20 per micro-batch: a micro-batch swaps a request out), a 16-token budget: long prompts are
+# prefilled in chunks
+CONFIG = dict(
+    num_kv_blocks=40,
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=16,
+    max_model_len=80,
+    preemption_mode="swap",
+    num_cpu_blocks=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +88,7 @@ def test_greedy_tokens_and_logprobs_equal_one_device_with_chunks_and_prefix_cach
     micro, executor = both.engine.micro, both.engine.executor
     assert all(m.scheduler.num_chunked_prefills > 0 for m in micro)
     assert sum(m.block_manager.num_prefix_hit_tokens for m in micro) > 0
+    assert sum(m.scheduler.num_swap_outs for m in micro) > 0  # blocks moved to the CPU pool and back on every rank
     assert executor.most_in_flight == 2  # both micro-batches in the pipeline at once
     # per rank: its stage's layer (a quarter of the model's layers' weights, plus its stage's norms whole), and a
     # quarter of every KV block, as many blocks as one device
@@ -97,7 +107,9 @@ def test_seeded_sampling_with_forks_equals_one_device(engines):
         SamplingParams(temperature=0.9, top_p=0.9, n=2, seed=100 + i, max_tokens=n, logprobs=1, ignore_eos=True)
         for i, n in enumerate(lengths[:5])
     ]
-    _assert_equal(_run(both, prompts[:5], params), _run(one, prompts[:5], params))
+    got = _run(both, prompts[:5], params)
+    assert [len(t) for t in got[0]] == [n for n in lengths[:5] for _ in range(2)]  # every request fits a micro-batch
+    _assert_equal(got, _run(one, prompts[:5], params))
 
 
 @pytest.mark.slow  # the module's engine (4 processes)
