@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 
 import spinwheel
@@ -64,3 +67,28 @@ def test_launch_refuses_bad_options_in_one_line(capsys, argv, why):
     assert launch(argv) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"spinwheel launch: error: {why}")
+
+
+def test_serve_refuses_a_busy_port_before_loading_anything():
+    from spinwheel.server.serve import ServeConfig, serve
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port} .*choose another --port"):
+            serve(ServeConfig(model="/no/such/checkpoint", port=port))  # the port is named, not the checkpoint
+
+
+def test_the_engine_process_leaves_the_servers_process_group():
+    """A signal to the group (Ctrl-C, `timeout`, `kill -TERM -PGID`) reaches the server alone, which stops its engine
+    in order; the engine got it too before, died, and the shutting-down server logged an error and restarted it."""
+    from helpers import engine_spec
+
+    from spinwheel.server.engine_client import EngineProcess
+
+    ep = EngineProcess(engine_spec())
+    try:
+        assert os.getpgid(ep.pid) == ep.pid != os.getpgrp()
+    finally:
+        ep.shutdown()

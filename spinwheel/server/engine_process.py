@@ -252,6 +252,8 @@ class EngineCore:
 def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
     """The engine process's entry point (``multiprocessing`` target): build the engine, say ready, serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(os, "setpgrp"):  # a signal to the server's process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) is
+        os.setpgrp()  # the server's to act on: it stops this engine in order, rather than seeing it die and restart it
     try:
         if spec.num_threads is not None:
             import torch
@@ -266,7 +268,10 @@ def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
     info = EngineInfo(
         os.getpid(), engine.model.config.vocab_size, engine.max_model_len, engine.stats(), tuple(engine.loras.names)
     )
-    conn.send_bytes(dumps(("ready", info)))
+    try:
+        conn.send_bytes(dumps(("ready", info)))
+    except OSError:  # the server went away while this engine was starting (Ctrl-C): nobody to serve
+        return
     core = EngineCore(engine, conn)
     try:
         core.run()

@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -192,9 +193,23 @@ def build_server(
     )
 
 
+def check_listen(host: str, port: int) -> None:
+    """A ``--host``/``--port`` the server could not listen on is one line before the checkpoint loads (uvicorn's own
+    comes after the engine's start and warm-up, among its log lines, with exit status 3)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing one is no error
+            s.bind(address)
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise ValueError(f"cannot listen on {host}:{port} ({why}); choose another --port or --host") from None
+
+
 def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> None:
     import uvicorn
 
+    check_listen(config.host, config.port)
     max_connections, note = fit_connections_to_fd_limit(config.max_connections)
     if note:
         print(f"spinwheel serve: {note}", flush=True)
