@@ -140,6 +140,10 @@ def test_degrees_the_model_cannot_be_split_by_fail_before_anything_starts():
         LLM(tiny_engine_model(128), tensor_parallel_size=2, pipeline_parallel_size=3, num_kv_blocks=8)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         LLM("test", tensor_parallel_size=3, pipeline_parallel_size=2)  # the preset's config, before any weight
+    shard = tiny_engine_model(128)
+    shard.tp_host = object()  # the RL loop's --engine-tp shard: its ranks are torchrun's, it has no stages
+    with pytest.raises(ValueError, match="--engine-tp runs the RL engine in torchrun's ranks, without stages"):
+        LLM(shard, tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=8)
     assert len(multiprocessing.active_children()) == before
 
 

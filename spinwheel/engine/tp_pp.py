@@ -133,6 +133,8 @@ def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
     > 1, else :func:`spinwheel.engine.pp_executor.make_runner`'s (one device, TP alone or PP alone)."""
     if config.tensor_parallel_size == 1 or config.pipeline_parallel_size == 1:
         return make_pp_runner(model, config, max_model_len)
+    if getattr(model, "tp_host", None) is not None:  # the RL loop's --engine-tp shards, in torchrun's ranks
+        raise ValueError("--engine-tp runs the RL engine in torchrun's ranks, without stages: leave its PP degree at 1")
     executor = TPPPExecutor(model, config, max_model_len)
     return executor.runner, executor
 
