@@ -175,8 +175,9 @@ class TPPPExecutor(PPExecutor):
         try:
             groups = stage_groups(tp, pp, group_backend, timeout_s)
         except Exception as e:  # a rank gone before the groups exist
+            error = self.error(e)
             self.close()
-            raise self.error(e) from e
+            raise error from e
         self.axis, self.comm = tp_axis(0, tp, groups), Comm(timeout_s)
         first = shard_stage(model.config, pp, 0, parts.pop(), self.axis, self.comm, model.device)
         del state
