@@ -152,7 +152,8 @@ def add_arguments(
             continue
         title = f.metadata.get("group", group)
         if title is None and own_group is None:
-            own_group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().split("\n")[0])
+            summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, whole
+            own_group = parser.add_argument_group(cls.__name__, summary)
         target = own_group if title is None else _shared_group(parser, title)
         default = (
             f.default

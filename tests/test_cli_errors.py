@@ -92,3 +92,10 @@ def test_the_engine_process_leaves_the_servers_process_group():
         assert os.getpgid(ep.pid) == ep.pid != os.getpgrp()
     finally:
         ep.shutdown()
+
+
+def test_help_shows_a_config_summary_whole(capsys):
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's wrapping
+    assert "write a plain HF checkpoint (config.json, safetensors, tokenizer). --model" in text  # not cut at a line
