@@ -99,3 +99,10 @@ def test_help_shows_a_config_summary_whole(capsys):
         main(["merge", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's wrapping
     assert "write a plain HF checkpoint (config.json, safetensors, tokenizer). --model" in text  # not cut at a line
+
+
+def test_a_directory_where_a_file_is_wanted_is_named_with_its_option(capsys, tmp_path):
+    (line,) = _fail(capsys, ["envs", "expert", "--env", "calculator", "--num", "2", "--out", str(tmp_path)])
+    assert line == f"spinwheel envs: error: --out {tmp_path} is a directory: give the path of the JSONL file to write"
+    (line,) = _fail(capsys, ["classic", "--eval", str(tmp_path / "nope.pt")])
+    assert line.startswith(f"spinwheel classic: error: --eval {tmp_path / 'nope.pt'} does not exist: give a policy.pt")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from pathlib import Path
 
 from spinwheel.envs.expert import write_expert_traces
 from spinwheel.envs.registry import BUILTINS, load_env
@@ -53,6 +54,10 @@ def run(ns: argparse.Namespace) -> int:
             print(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}\n    --env-arg {' '.join(options)}")
         print("reasoning-gym:NAME: one step: a reasoning-gym dataset (pip install 'spinwheel[envs]')")
         return 0
+    out = Path(ns.out)
+    if out.is_dir() or not out.parent.is_dir():
+        why = "is a directory" if out.is_dir() else f"is in a directory that does not exist ({out.parent})"
+        raise ValueError(f"--out {ns.out} {why}: give the path of the JSONL file to write")
     factory = load_env(ns.env, ns.env_arg)
     summary = write_expert_traces(factory, ns.env, ns.out, ns.num, ns.split, ns.first_seed)
     print(

@@ -56,6 +56,9 @@ def _evaluate(path: str, num_episodes: int, main_rank: bool) -> int:
 
     if num_episodes < 1:
         raise ValueError(f"--eval needs --eval-episodes ≥ 1, got {num_episodes}")
+    if not os.path.isfile(path):
+        why = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise ValueError(f"--eval {path} {why}: give a policy.pt that spinwheel classic wrote (in its --out-dir)")
     result = evaluate_saved(path, num_episodes)
     if main_rank:
         print(
