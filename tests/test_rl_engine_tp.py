@@ -157,9 +157,9 @@ def _check_runs(root, layouts, results: list[dict], ref: list[dict], ref_tokens:
 
 
 def test_bad_degrees_and_layouts_are_refused_in_one_line(tmp_path):
-    def config(n: int, rollout_ranks: int | None = None, **parallel):
+    def config(n: int, rollout_ranks: int | None = None, engine_pp: int = 1, **parallel):
         c = small_config(tmp_path, parallel=ParallelConfig(**parallel), rollout_ranks=rollout_ranks)
-        c.engine = EngineConfig(tensor_parallel_size=n)
+        c.engine = EngineConfig(tensor_parallel_size=n, pipeline_parallel_size=engine_pp)
         return c
 
     assert check_engine_tp(config(1), None) == 1
@@ -176,6 +176,11 @@ def test_bad_degrees_and_layouts_are_refused_in_one_line(tmp_path):
         (config(2, tp=2), crossed, "the trainer's TP groups are not the engines' consecutive ranks"),
         (config(4), ParallelDims(dp_shard=4, world_size=4), "num_key_value_heads (2)"),  # the test model's 2 KV heads
         (config(2, rollout_ranks=1), ParallelDims(dp_shard=2, world_size=2), "--rollout-ranks are alternatives"),
+        (
+            config(2, engine_pp=2),
+            ParallelDims(dp_shard=2, world_size=2),
+            "tensor-parallel only; drop --engine-pipeline-parallel-size 2",
+        ),
     ]
     for c, dims, message in refusals:
         with pytest.raises(ValueError) as e:

@@ -64,6 +64,10 @@ def check_engine_tp(config, dims: ParallelDims | None) -> int:
         return 1
     if config.rollout_ranks:
         raise ValueError(f"--engine-tp {n} and --rollout-ranks are alternatives: the engine on every rank, or apart")
+    if (pp := config.engine.pipeline_parallel_size) > 1:
+        raise ValueError(
+            f"--engine-tp {n}: the RL engines are tensor-parallel only; drop --engine-pipeline-parallel-size {pp}"
+        )
     if dims is None:
         raise ValueError(
             f"--engine-tp {n} splits the RL engine over torchrun's ranks: launch with `spinwheel launch "
