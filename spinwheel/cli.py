@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spinwheel.cli_errors import Parser, check_policy_checkpoint, unknown_options
+from spinwheel.cli_errors import Parser, check_policy_checkpoint, out_of_memory, unknown_options
 from spinwheel.config import add_arguments, from_args, option
 
 if TYPE_CHECKING:
@@ -316,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # another rank died: one line on each survivor (the launcher names the lost rank)
         from spinwheel.parallel.launch import lost_peer
 
+        if (oom := out_of_memory(e)) is not None:  # each rank's own: every rank that meets it says so
+            where = f" (rank {rank})" if "RANK" in os.environ else ""
+            print(f"spinwheel {ns.command}: error{where}: {oom}", file=sys.stderr, flush=True)
+            return 1
         if (why := lost_peer(e)) is None:
             raise
         print(f"spinwheel {ns.command}: error (rank {rank}): another rank of this run stopped ({why}); rerun the "

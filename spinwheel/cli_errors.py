@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 from pathlib import Path
 
 
@@ -53,3 +54,18 @@ def check_policy_checkpoint(ns: argparse.Namespace) -> None:
             f"--model {model} is a reward model (a score head, no LM head): {ns.command} needs a policy checkpoint "
             f"such as runs/sft/checkpoint{where}"
         )
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """An allocation the machine refused (CPU: ``DefaultCPUAllocator: can't allocate memory``; CUDA:
+    ``OutOfMemoryError``) as one line with the size asked for and what to lower; None for any other error."""
+    text = str(error)
+    if "can't allocate memory" not in text and type(error).__name__ != "OutOfMemoryError":
+        return None
+    asked = re.search(r"allocate (\d+) bytes", text)
+    size = f" ({int(asked.group(1)) / 2**30:.1f} GiB asked for)" if asked else ""
+    first = " ".join(text.split("\n")[0].split())[:200] if not asked else "the allocator refused"
+    return (
+        f"out of memory{size}: {first}; lower the sizes (--batch-size, --engine-num-kv-blocks or "
+        "--engine-kv-cache-memory-mb, --max-tokens, the model)"
+    )

@@ -106,3 +106,19 @@ def test_a_directory_where_a_file_is_wanted_is_named_with_its_option(capsys, tmp
     assert line == f"spinwheel envs: error: --out {tmp_path} is a directory: give the path of the JSONL file to write"
     (line,) = _fail(capsys, ["classic", "--eval", str(tmp_path / "nope.pt")])
     assert line.startswith(f"spinwheel classic: error: --eval {tmp_path / 'nope.pt'} does not exist: give a policy.pt")
+
+
+def test_an_allocation_the_machine_refuses_is_one_line(capsys, monkeypatch):
+    import spinwheel.cli
+
+    def refuse(ns):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+            "to allocate 4096000000000 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(spinwheel.cli, "_dispatch", refuse)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["generate", "--engine-num-kv-blocks", "1000000000"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("spinwheel generate: error: out of memory (3814.7 GiB asked for): the allocator refused;")
