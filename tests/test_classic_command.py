@@ -203,7 +203,10 @@ def test_unknown_environment_is_one_line_naming_the_fix(capfd):
             ["--eval", str(ROOT / "pyproject.toml")],
             f"{ROOT / 'pyproject.toml'} is not a policy.pt written by spinwheel classic (UnpicklingError",
         ),
-        (["--eval", "no-such-policy.pt"], "[Errno 2] No such file or directory: 'no-such-policy.pt'"),
+        (
+            ["--eval", "no-such-policy.pt"],
+            "--eval no-such-policy.pt does not exist: give a policy.pt that spinwheel classic wrote",
+        ),
     ],
 )
 def test_missing_mujoco_or_a_bad_policy_file_is_one_line(args, message, capsys):
