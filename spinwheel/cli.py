@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spinwheel.cli_errors import Parser, check_policy_checkpoint, out_of_memory, unknown_options
+from spinwheel.cli_errors import Parser, check_policy_checkpoint, out_of_memory, stdout_closed, unknown_options
 from spinwheel.config import add_arguments, from_args, option
 
 if TYPE_CHECKING:
@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
               "same command to resume from the last checkpoint", file=sys.stderr, flush=True)  # fmt: skip
         return 1
     except (ValueError, OSError) as e:
+        if isinstance(e, BrokenPipeError) and stdout_closed():  # `spinwheel envs list | head`: the reader is gone
+            return 141  # 128 + SIGPIPE, as a shell tool stopped by it
         # Bad input (configs, checkpoints, data files): one line naming the problem, no traceback. Under torchrun
         # rank 0 speaks for all; a system error (disk, permissions) may be one node's, so its rank says it too.
         node_specific = isinstance(e, OSError) and not isinstance(e, FileNotFoundError)

@@ -7,6 +7,8 @@ import argparse
 import difflib
 import os
 import re
+import select
+import sys
 from pathlib import Path
 
 
@@ -69,3 +71,18 @@ def out_of_memory(error: BaseException) -> str | None:
         f"out of memory{size}: {first}; lower the sizes (--batch-size, --engine-num-kv-blocks or "
         "--engine-kv-cache-memory-mb, --max-tokens, the model)"
     )
+
+
+def stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (``| head``); if so it now goes to /dev/null, so that
+    nothing more is written there, the interpreter's last flush included."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):  # Linux/macOS: the write end errs
+            return False
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    except (OSError, ValueError, AttributeError):  # no descriptor behind it, or no poll() here
+        return False
+    return True

@@ -122,3 +122,18 @@ def test_an_allocation_the_machine_refuses_is_one_line(capsys, monkeypatch):
     assert main(["generate", "--engine-num-kv-blocks", "1000000000"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("spinwheel generate: error: out of memory (3814.7 GiB asked for): the allocator refused;")
+
+
+def test_stdout_into_a_closed_pipe_stops_quietly(capsys, monkeypatch):
+    """`spinwheel envs list | head -1`: the reader has gone; no 'error: [Errno 32] Broken pipe' line."""
+    import io
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w", buffering=1) as broken:
+        monkeypatch.setattr(sys, "stdout", broken)
+        code = main(["envs", "list"])
+        monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert code == 141
+    assert capsys.readouterr().err == ""
