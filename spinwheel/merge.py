@@ -33,6 +33,8 @@ class MergeConfig:
 
         if not self.model or not self.out:
             raise ValueError("give --model ADAPTER_DIR and --out DIR")
+        if not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model}: no such directory; give a LoRA run's checkpoint directory")
         if not is_adapter_dir(self.model):
             raise ValueError(f"--model {self.model}: no adapter_config.json, so no LoRA adapter to merge")
         out = Path(self.out)

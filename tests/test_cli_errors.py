@@ -137,3 +137,11 @@ def test_stdout_into_a_closed_pipe_stops_quietly(capsys, monkeypatch):
         monkeypatch.setattr(sys, "stdout", io.StringIO())
     assert code == 141
     assert capsys.readouterr().err == ""
+
+
+def test_a_file_or_a_missing_directory_as_model_says_which(capsys, tmp_path):
+    (tmp_path / "weights.bin").write_text("")
+    (line,) = _fail(capsys, ["generate", "--model", str(tmp_path / "weights.bin")])
+    assert f"{tmp_path / 'weights.bin'}: is a file, not a checkpoint directory" in line
+    (line,) = _fail(capsys, ["merge", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    assert line.startswith(f"spinwheel merge: error: --model {tmp_path / 'nope'}: no such directory; give a LoRA")

@@ -178,7 +178,8 @@ def load_model(
         model = Transformer(preset_config(str(path_or_preset), vocab_size)).init_weights(seed)
         return model.to(device=device, dtype=resolve_dtype(dtype) or torch.float32)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found (or use a preset: {', '.join(PRESETS)})")
+        what = "is a file, not a checkpoint directory" if path.is_file() else "checkpoint directory not found"
+        raise CheckpointError(f"{path}: {what} (or use a preset: {', '.join(PRESETS)})")
     config = load_config(path)
     model = check_config(path, config, tensor_shapes(path))  # before any tensor is read or memory allocated
     target = resolve_dtype(dtype) or _DTYPES.get(config.torch_dtype, torch.float32)
