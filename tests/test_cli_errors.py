@@ -145,3 +145,15 @@ def test_a_file_or_a_missing_directory_as_model_says_which(capsys, tmp_path):
     assert f"{tmp_path / 'weights.bin'}: is a file, not a checkpoint directory" in line
     (line,) = _fail(capsys, ["merge", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
     assert line.startswith(f"spinwheel merge: error: --model {tmp_path / 'nope'}: no such directory; give a LoRA")
+
+
+def test_a_reward_model_with_no_held_out_pair_is_not_evaluated(capsys, tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    out = tmp_path / "rm"
+    assert (
+        main(["rm", "--model", "tiny", "--data", str(data), "--steps", "1", "--no-progress", "--out-dir", str(out)])
+        == 0
+    )
+    assert "held-out: not evaluated" in capsys.readouterr().out
+    assert "NaN" not in (out / "metrics.jsonl").read_text()  # was eval_accuracy NaN, eval_margin NaN

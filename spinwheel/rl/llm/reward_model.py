@@ -203,8 +203,10 @@ def _train(config: RMConfig, run: Run, dims: ParallelDims | None) -> dict[str, A
         run.log({"step": 0, "num_params": num_params, **counts, "num_dropped": dropped})
 
     def evaluate(step: int) -> dict[str, Any]:
-        held_out = score_pairs(learner, eval_pairs, pad_id, config.batch_size, config.device)
-        ev: dict[str, Any] = {"eval_accuracy": held_out["accuracy"], "eval_margin": held_out["margin"]}
+        ev: dict[str, Any] = {}
+        if eval_pairs:  # none held out (a tiny --data): nothing to score, rather than NaN figures
+            held_out = score_pairs(learner, eval_pairs, pad_id, config.batch_size, config.device)
+            ev.update(eval_accuracy=held_out["accuracy"], eval_margin=held_out["margin"])
         if mistakes:
             on_mistakes = score_pairs(learner, mistakes, pad_id, config.batch_size, config.device)
             ev["eval_policy_accuracy"] = on_mistakes["accuracy"]
