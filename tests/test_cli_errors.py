@@ -157,3 +157,10 @@ def test_a_reward_model_with_no_held_out_pair_is_not_evaluated(capsys, tmp_path)
     )
     assert "held-out: not evaluated" in capsys.readouterr().out
     assert "NaN" not in (out / "metrics.jsonl").read_text()  # was eval_accuracy NaN, eval_margin NaN
+
+
+def test_launch_help_describes_the_command_not_a_script(capsys):
+    with pytest.raises(SystemExit):
+        launch(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "COMMAND the spinwheel command each process runs" in text and "training program/script" not in text

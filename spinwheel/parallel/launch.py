@@ -99,6 +99,11 @@ def launch(argv: list[str]) -> int:
     for action in parser._actions:  # torchrun's positionals are the script and its arguments: here, a command
         if action.dest in ("training_script", "training_script_args"):
             action.metavar = "COMMAND" if action.dest == "training_script" else "OPTIONS"
+            action.help = (  # torchrun's: "Full path to the (single GPU) training program/script ..."
+                "the spinwheel command each process runs (sft, grpo, dpo, classic, ...)"
+                if action.dest == "training_script"
+                else "its options, as 'spinwheel COMMAND --help' lists them"
+            )
     args = parser.parse_args(argv)
     if (why := _bad_launch(args)) is not None:
         print(f"spinwheel launch: error: {why} ('spinwheel launch --help' lists the options)", file=sys.stderr)
