@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spinwheel.config import check_ranges, option
+from spinwheel.train.run_dir import LOCK_FILE, RunDirLock
 
 MARKER = "spinwheel-demo.json"
 
@@ -66,38 +67,51 @@ class DemoConfig:
         )
 
 
-def prepare_out_dir(out: Path) -> None:
-    """Empty ``out`` if a previous demo wrote it; refuse a non-empty directory that is not a demo's."""
+def prepare_out_dir(out: Path) -> RunDirLock:
+    """Empty ``out`` if a previous demo wrote it; refuse a non-empty directory that is not a demo's, and one a
+    running demo holds (its lock, returned held: a second demo on the same directory would delete the first's
+    runs under it)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir {out} is a file; choose a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not (out / MARKER).is_file():
-            raise ValueError(
-                f"--out-dir {out} is not empty and was not written by spinwheel demo; nothing was "
-                "deleted. Choose another --out-dir or empty it yourself"
-            )
+    if out.is_dir() and not (out / MARKER).is_file() and any(p.name != LOCK_FILE for p in out.iterdir()):
+        raise ValueError(
+            f"--out-dir {out} is not empty and was not written by spinwheel demo; nothing was "
+            "deleted. Choose another --out-dir or empty it yourself"
+        )
+    lock = RunDirLock(out).acquire()  # creates the directory
+    try:
         for name in ("sft", "grpo", MARKER):
             path = out / name
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text(json.dumps({"written_by": "spinwheel demo"}) + "\n")
+        (out / MARKER).write_text(json.dumps({"written_by": "spinwheel demo"}) + "\n")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def run_demo(config: DemoConfig) -> dict:
-    from spinwheel.engine import LLM, SamplingParams
-    from spinwheel.rl.llm import RLConfig, train_rl
-    from spinwheel.train.sft import train_sft
-    from spinwheel.train.sft_config import SFTConfig
-
     if config.agent:
         from spinwheel.agent_demo import run_agent_demo
 
         return run_agent_demo(config)
     out = Path(config.out_dir)
-    prepare_out_dir(out)
+    lock = prepare_out_dir(out)
+    try:
+        return _main_story(config, out)
+    finally:
+        lock.release()
+
+
+def _main_story(config: DemoConfig, out: Path) -> dict:
+    from spinwheel.engine import LLM, SamplingParams
+    from spinwheel.rl.llm import RLConfig, train_rl
+    from spinwheel.train.sft import train_sft
+    from spinwheel.train.sft_config import SFTConfig
+
     t0 = time.perf_counter()
     common = dict(
         seed=config.seed,

@@ -164,3 +164,18 @@ def test_launch_help_describes_the_command_not_a_script(capsys):
         launch(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "COMMAND the spinwheel command each process runs" in text and "training program/script" not in text
+
+
+def test_a_second_demo_on_a_running_demos_directory_is_refused(capsys, tmp_path):
+    from spinwheel.demo import MARKER
+    from spinwheel.train.run_dir import RunDirLock
+
+    out = tmp_path / "demo"
+    (out / "sft").mkdir(parents=True)
+    (out / MARKER).write_text("{}\n")
+    (out / "sft" / "metrics.jsonl").write_text("{}\n")  # the running demo's
+    tiny = ["--sft-steps", "1", "--grpo-steps", "1", "--grpo-prompts", "1", "--eval-examples", "1", "--no-progress"]
+    with RunDirLock(out):  # a demo running there
+        (line,) = _fail(capsys, ["demo", "--out-dir", str(out), *tiny])
+    assert line.startswith(f"spinwheel demo: error: --out-dir {out} is in use by another run (pid {os.getpid()})")
+    assert (out / "sft" / "metrics.jsonl").is_file()  # nothing of the running demo deleted
