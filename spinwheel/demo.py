@@ -67,10 +67,9 @@ class DemoConfig:
         )
 
 
-def prepare_out_dir(out: Path) -> RunDirLock:
-    """Empty ``out`` if a previous demo wrote it; refuse a non-empty directory that is not a demo's, and one a
-    running demo holds (its lock, returned held: a second demo on the same directory would delete the first's
-    runs under it)."""
+def lock_out_dir(out: Path) -> RunDirLock:
+    """The demo directory's run lock, held (a second demo there would delete the running one's runs under it);
+    refused: a file, a non-empty directory that is not a demo's, one another demo is running in."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir {out} is a file; choose a directory")
     if out.is_dir() and not (out / MARKER).is_file() and any(p.name != LOCK_FILE for p in out.iterdir()):
@@ -78,29 +77,29 @@ def prepare_out_dir(out: Path) -> RunDirLock:
             f"--out-dir {out} is not empty and was not written by spinwheel demo; nothing was "
             "deleted. Choose another --out-dir or empty it yourself"
         )
-    lock = RunDirLock(out).acquire()  # creates the directory
-    try:
-        for name in ("sft", "grpo", MARKER):
-            path = out / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-        (out / MARKER).write_text(json.dumps({"written_by": "spinwheel demo"}) + "\n")
-    except BaseException:
-        lock.release()
-        raise
-    return lock
+    return RunDirLock(out).acquire()  # creates the directory
+
+
+def prepare_out_dir(out: Path) -> None:
+    """Empty ``out`` (locked, see :func:`lock_out_dir`) of a previous main demo's runs."""
+    for name in ("sft", "grpo", MARKER):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    (out / MARKER).write_text(json.dumps({"written_by": "spinwheel demo"}) + "\n")
 
 
 def run_demo(config: DemoConfig) -> dict:
-    if config.agent:
-        from spinwheel.agent_demo import run_agent_demo
-
-        return run_agent_demo(config)
     out = Path(config.out_dir)
-    lock = prepare_out_dir(out)
+    lock = lock_out_dir(out)
     try:
+        if config.agent:
+            from spinwheel.agent_demo import run_agent_demo
+
+            return run_agent_demo(config)
+        prepare_out_dir(out)
         return _main_story(config, out)
     finally:
         lock.release()

@@ -175,7 +175,8 @@ def test_a_second_demo_on_a_running_demos_directory_is_refused(capsys, tmp_path)
     (out / MARKER).write_text("{}\n")
     (out / "sft" / "metrics.jsonl").write_text("{}\n")  # the running demo's
     tiny = ["--sft-steps", "1", "--grpo-steps", "1", "--grpo-prompts", "1", "--eval-examples", "1", "--no-progress"]
-    with RunDirLock(out):  # a demo running there
-        (line,) = _fail(capsys, ["demo", "--out-dir", str(out), *tiny])
-    assert line.startswith(f"spinwheel demo: error: --out-dir {out} is in use by another run (pid {os.getpid()})")
+    for agent in ([], ["--agent"]):
+        with RunDirLock(out):  # a demo running there
+            (line,) = _fail(capsys, ["demo", "--out-dir", str(out), *tiny, *agent])
+        assert line.startswith(f"spinwheel demo: error: --out-dir {out} is in use by another run (pid {os.getpid()})")
     assert (out / "sft" / "metrics.jsonl").is_file()  # nothing of the running demo deleted
