@@ -65,6 +65,16 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path, capfd):
     ]
 
 
+def test_a_refused_run_leaves_no_empty_out_dir_and_an_uncreatable_one_is_named(tmp_path, capfd):
+    out = tmp_path / "never"
+    proc = run_cli(["sft", "--model", str(tmp_path / "no-such-model"), "--steps", "1", "--out-dir", str(out)], capfd)
+    assert proc.returncode == 2 and not out.exists()  # refused when loading the model: the directory it made is gone
+    (tmp_path / "file").write_text("x")  # a parent that is a file: mkdir fails (as root too)
+    proc = run_cli(["sft", "--model", "test", "--steps", "1", "--out-dir", str(tmp_path / "file" / "run")], capfd)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"--out-dir {tmp_path / 'file' / 'run'} cannot be created or written" in proc.stderr
+
+
 @pytest.mark.slow
 def test_two_sft_commands_on_one_directory(tmp_path, capfd):
     """The second command (in this process) fails at once with one line naming the first's pid; the first run's log

@@ -21,6 +21,7 @@ The step functions read as their algorithms; the bookkeeping lives here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -126,6 +127,7 @@ class Run:
         return self._stop is not None and self._stop.signum is not None
 
     def __enter__(self) -> Run:
+        self._created = not self.out_dir.exists()
         self._open_dir()
         c = self.config
         try:
@@ -134,12 +136,15 @@ class Run:
                 self.start_step, self.changes = resume_point(c, self.state, self.ckpt_dir, self._harmless)
                 self.last_saved = self.start_step
         except BaseException:
-            self._lock.release()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
+        if self._created:  # a run refused before it wrote anything leaves no empty --out-dir behind
+            with contextlib.suppress(OSError):
+                self.out_dir.rmdir()
 
     def _open_dir(self) -> None:
         """Rank 0 takes the directory's lock; every rank learns whether that worked (so all fail together)."""
@@ -147,10 +152,13 @@ class Run:
         if self.is_main:
             try:
                 self._lock.acquire()
-                if (moved := recover_interrupted_save(self.ckpt_dir)) is not None:
-                    print(f"{self.ckpt_dir}: put back from {moved.name} (a save was killed mid-way)", flush=True)
             except RunDirError as e:
                 error = e
+            except OSError as e:  # mkdir or the lock file: EACCES, EROFS, ENOTDIR, ENOSPC ...
+                error = RunDirError(f"--out-dir {self.out_dir} cannot be created or written ({e}); choose another")
+            try:
+                if error is None and (moved := recover_interrupted_save(self.ckpt_dir)) is not None:
+                    print(f"{self.ckpt_dir}: put back from {moved.name} (a save was killed mid-way)", flush=True)
             except OSError as e:  # the put-back failed: resuming without it would start over
                 error = RunDirError(f"{self.ckpt_dir} is missing and its copy beside it cannot be put back: {e}")
         if any_rank(error is not None, self.distributed):
