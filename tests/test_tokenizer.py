@@ -103,3 +103,15 @@ def test_tokenizer_errors(tmp_path):
     tok.chat_template = None
     with pytest.raises(TokenizerError, match="no chat_template"):
         tok.apply_chat_template([])
+
+
+def test_a_checkpoint_without_tokenizer_json(tmp_path, caplog):
+    """No tokenizer file: the built-in char tokenizer, said in a warning; a tokenizer in another form
+    (sentencepiece's tokenizer.model, GPT-2's vocab.json + merges.txt): one line saying how to write tokenizer.json,
+    never a silent char tokenizer that drops what it cannot spell."""
+    with caplog.at_level("WARNING", logger="spinwheel.models.tokenizer"):
+        assert load_tokenizer(tmp_path).vocab_size == Tokenizer.char_level().vocab_size
+    assert f"{tmp_path} has no tokenizer.json: using the built-in character tokenizer" in caplog.text
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    with pytest.raises(TokenizerError, match=r"tokenizer as tokenizer.model but no tokenizer.json.*save_pretrained"):
+        load_tokenizer(tmp_path)

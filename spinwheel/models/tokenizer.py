@@ -9,6 +9,7 @@ The built-in tokenizer is saved as a real ``tokenizer.json`` + ``tokenizer_confi
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+logger = logging.getLogger(__name__)
+# A checkpoint's tokenizer in a form other than tokenizer.json (sentencepiece, GPT-2 BPE files): not read here.
+OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt")
 
 
 class TokenizerError(ValueError):
@@ -192,6 +198,13 @@ def load_tokenizer(path_or_preset: str | os.PathLike) -> Tokenizer:
         path = Path(resolve_model_path(adapter_base(path)))
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return Tokenizer.from_pretrained(path)
+    if path.is_dir() and (other := [n for n in OTHER_TOKENIZER_FILES if (path / n).is_file()]):
+        raise TokenizerError(
+            f"{path} has its tokenizer as {', '.join(other)} but no tokenizer.json, the form spinwheel reads: "
+            "write one with transformers (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"
+        )
+    if path.is_dir():  # e.g. save_pretrained without a tokenizer: say so, characters outside its alphabet are dropped
+        logger.warning("%s has no tokenizer.json: using the built-in character tokenizer", path)
     return Tokenizer.char_level()
 
 
