@@ -142,6 +142,18 @@ def test_beam_search_through_the_api_equals_the_offline_beam_search(server, offl
     assert [c["message"]["content"] for c in r.json()["choices"]] == [o.text for o in ref.outputs[:2]]
 
 
+def test_a_body_sent_without_the_json_content_type_is_named(server):
+    """``curl -d '{...}'`` sends form-encoded: the 400 says to send JSON with its content type (was pydantic's
+    'Input should be a valid dictionary or object to extract fields from')."""
+    body = b'{"model": "tiny-test", "prompt": "ab", "max_tokens": 2}'
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "send the body as JSON with Content-Type: application/json" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     ("body", "param", "needle"),
     [

@@ -211,6 +211,8 @@ class OpenAIServer:
             loc = [str(p) for p in first.get("loc", ()) if p != "body"]
             if first.get("type") == "json_invalid":
                 message, param = f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+            elif not loc and "json" not in (ctype := request.headers.get("content-type", "")):  # curl -d alone
+                message, param = f"send the body as JSON with Content-Type: application/json (got {ctype!r})", None
             elif first.get("type") == "invalid_unicode":
                 message, param = str(first.get("msg")), first["ctx"]["param"]
             else:
