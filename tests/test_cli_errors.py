@@ -180,3 +180,15 @@ def test_a_second_demo_on_a_running_demos_directory_is_refused(capsys, tmp_path)
             (line,) = _fail(capsys, ["demo", "--out-dir", str(out), *tiny, *agent])
         assert line.startswith(f"spinwheel demo: error: --out-dir {out} is in use by another run (pid {os.getpid()})")
     assert (out / "sft" / "metrics.jsonl").is_file()  # nothing of the running demo deleted
+
+
+def test_serve_whose_engine_cannot_start_is_one_line_with_status_2(tmp_path, capsys):
+    """The engine process failing at start-up on a bad checkpoint: one line, status 2 like other bad input."""
+    spinwheel.save_pretrained(spinwheel.load_model("test"), tmp_path, tokenizer=spinwheel.Tokenizer.char_level())
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lines = _fail(capsys, ["serve", "--model", str(tmp_path), "--port", str(port)])
+    assert [line for line in lines if "error" in line] == [lines[-1]]
+    assert lines[-1].startswith("spinwheel serve: error: the engine could not start: CheckpointError: ")

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,8 +226,9 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
 
     try:
         server = build_server(config, engine_config, on_engine_exit)
-    except RuntimeError as e:  # the engine process could not start: say why in one line
-        raise SystemExit(f"spinwheel serve: error: {e}") from None
+    except RuntimeError as e:  # the engine process could not start: say why in one line (status 2, as bad options)
+        print(f"spinwheel serve: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     s = server.engine.stats()
     where = f"process pid {server.engine.pid}" if isinstance(server.engine, EngineProcess) else "in-process"
     adapters = "".join(f", LoRA adapter '{n}' from {p}" for n, p in config.loras().items())
