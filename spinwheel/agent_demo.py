@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from spinwheel.envs.base import Segment
 from spinwheel.envs.calculator import CalculatorEnv
-from spinwheel.train.run_dir import LOCK_FILE
 
 if TYPE_CHECKING:
     from spinwheel.rl.llm.episode_tokens import Episode
@@ -83,15 +82,8 @@ RECIPE = Recipe()
 
 
 def prepare_agent_dir(out: Path) -> Path:
-    """``out/agent``, emptied if a previous demo wrote it; ``out`` must be empty, new or a demo's directory."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out-dir {out} is a file; choose a directory")
-    if out.is_dir() and not (out / MARKER).is_file() and any(p.name != LOCK_FILE for p in out.iterdir()):
-        raise ValueError(
-            f"--out-dir {out} is not empty and was not written by spinwheel demo; nothing was "
-            "deleted. Choose another --out-dir or empty it yourself"
-        )
-    out.mkdir(parents=True, exist_ok=True)
+    """``out/agent``, emptied if a previous demo wrote it (``out``: locked and checked by
+    :func:`spinwheel.demo.lock_out_dir` — new, empty or a demo's directory)."""
     if not (out / MARKER).is_file():
         (out / MARKER).write_text(json.dumps({"written_by": "spinwheel demo"}) + "\n")
     agent = out / "agent"
