@@ -36,6 +36,7 @@ from spinwheel.engine.pp_stage import (
     StageModel,
     StageRunner,
     check_pp_degree,
+    full_state,
     stage_layers,
     stage_pool_config,
     stage_state,
@@ -89,8 +90,7 @@ class PPExecutor(WorkerProcesses):
         # between two stages cannot deadlock the way NCCL's in-order point-to-point operations can
         backend, device_type = "gloo", model.device.type
         runner_config = stage_pool_config(config, model.config, model.dtype, max_model_len)
-        state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
-        state["rotary.inv_freq"] = model.rotary.inv_freq.detach()  # a buffer state_dict leaves out
+        state = full_state(model)
         for stage in range(1, pp):
             box = [stage_state(state, model.config, pp, stage)]  # emptied once the stage has its copy
             init = self.init_method

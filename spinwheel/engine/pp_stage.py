@@ -61,6 +61,14 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+def full_state(model) -> dict[str, torch.Tensor]:
+    """The whole model's tensors the stages are cut from (detached, by reference), the rotary frequencies included
+    (a buffer ``state_dict`` leaves out)."""
+    state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    state["rotary.inv_freq"] = model.rotary.inv_freq.detach()
+    return state
+
+
 def stage_state(state: dict[str, torch.Tensor], config: ModelConfig, pp: int, stage: int) -> dict[str, torch.Tensor]:
     """The tensors of ``stage`` out of the full ``state`` (by reference; a weight update's may be part of the
     model's), its layers renumbered from 0: the embedding on the first stage, the final norm and the LM head on the

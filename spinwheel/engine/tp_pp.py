@@ -46,6 +46,7 @@ from spinwheel.engine.pp_stage import (
     StageModel,
     StageRunner,
     check_pp_degree,
+    full_state,
     stage_layers,
     stage_pool_config,
     stage_state,
@@ -162,8 +163,7 @@ class TPPPExecutor(PPExecutor):
         device_type = model.device.type
         group_backend = "nccl" if device_type == "cuda" else "gloo"
         runner_config = stage_pool_config(config, model.config, model.dtype, max_model_len)
-        state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
-        state["rotary.inv_freq"] = model.rotary.inv_freq.detach()  # a buffer state_dict leaves out
+        state = full_state(model)
         parts = [stage_state(state, model.config, pp, s) for s in range(pp)]
         for rank in range(1, tp * pp):
             box = [parts[rank // tp]]  # emptied once the rank has its copy
