@@ -30,6 +30,7 @@ machine nothing changes. ``SPINWHEEL_THREADS=off`` turns fitting off (torch's co
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -44,8 +45,12 @@ _TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
 
 
 def enabled() -> bool:
-    """Whether the thread count is fitted (``SPINWHEEL_THREADS`` unset or not ``off``, on Linux)."""
-    on = os.environ.get(ENV, "auto").strip().lower() != "off"
+    """Whether the thread count is fitted (``SPINWHEEL_THREADS`` unset or not ``off``, on Linux); another value than
+    ``auto`` / ``on`` / ``off`` is warned about (and fits)."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value not in ("auto", "on", "off", ""):
+        logging.getLogger(__name__).warning("%s=%r is not auto, on or off: the thread count is fitted", ENV, value)
+    on = value != "off"
     return on and os.path.exists(_PROC_STAT) and os.path.exists(f"{_TASKS}/{threading.get_native_id()}/schedstat")
 
 

@@ -103,6 +103,15 @@ def test_on_by_default_and_off_with_the_environment_variable():
     assert run_python(code, SPINWHEEL_THREADS="off") == ["False True"]
 
 
+def test_an_unknown_setting_is_warned_about_and_fits(monkeypatch, caplog):
+    import spinwheel.threads as th
+
+    monkeypatch.setenv("SPINWHEEL_THREADS", "offf")
+    with caplog.at_level("WARNING", logger="spinwheel.threads"):
+        assert th.enabled() == os.path.exists("/proc/stat")
+    assert "SPINWHEEL_THREADS='offf' is not auto, on or off: the thread count is fitted" in caplog.text
+
+
 def test_fit_threads_samples_the_real_machine():
     busy, own, waits = threads.sample_cpu() if threads.enabled() else (0.0, 0.0, {"1": 0})
     assert busy >= 0.0 and own >= 0.0 and waits and min(waits.values()) >= 0
