@@ -96,9 +96,12 @@ class AttentionMask:
     """Training-time attention metadata built once per forward by :class:`Transformer`.
 
     ``mask`` is a boolean (B, 1, T, T) tensor (True = may attend) or None for plain causal attention.
+    ``segments``: padding-free packed sequences in one row (B = 1) — the boundaries ``0 = s₀ < s₁ < … = T``; each
+    sequence attends causally within itself (one causal kernel per sequence, no (T, T) mask).
     """
 
     mask: torch.Tensor | None
+    segments: tuple[int, ...] | None = None
 
 
 class SDPAAttention(nn.Module):
@@ -116,7 +119,14 @@ class SDPAAttention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         mask = meta.mask if meta is not None else None
-        if mask is None:
+        if meta is not None and meta.segments is not None:
+            bounds = meta.segments
+            parts = [
+                F.scaled_dot_product_attention(q[..., s:e, :], k[..., s:e, :], v[..., s:e, :], is_causal=True)
+                for s, e in zip(bounds[:-1], bounds[1:])
+            ]
+            out = torch.cat(parts, dim=2)
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -68,6 +68,12 @@ class ParallelConfig:
     microbatches: int = option(
         1, help="micro-batches per step: pipeline micro-batches with pp > 1, gradient accumulation otherwise"
     )
+    micro_batch_tokens: int = option(
+        4096,
+        help="one process: rows packed without padding into micro-batches of at most this many tokens, each "
+        "forward and backward on one at a time (bounds activation memory; a longer row goes alone); 0: the "
+        "whole minibatch at once",
+    )
     schedule: Literal["gpipe", "1f1b"] = option("1f1b", help="pipeline schedule")
     remat: RematMode = option(
         "none",
@@ -109,7 +115,7 @@ class ParallelConfig:
         check_ranges(
             self,
             at_least_1=("tp", "pp", "microbatches"),
-            non_negative=("hsdp", "fsdp_buffer_mb"),
+            non_negative=("hsdp", "fsdp_buffer_mb", "micro_batch_tokens"),
             ge="≥",
             error=ParallelError,
         )

@@ -1,7 +1,7 @@
 """Learners: what a training loop steps. One protocol, two implementations side by side:
 
-* :class:`LocalLearner` — the model and its AdamW in this process, with the loss computed from plain logits by
-  :func:`~spinwheel.models.transformer.token_logprobs`: the reference every parallel layout is compared against;
+* :class:`LocalLearner` — the model and its AdamW in this process, the loss's per-token outputs from
+  :func:`~spinwheel.train.local_outputs.local_outputs`: the reference every parallel layout is compared against;
 * :class:`ParallelLearner` — the same on :class:`~spinwheel.parallel.trainer.ParallelTrainer` (any layout, one
   learner per rank) when ``torchrun`` started more than one process.
 
@@ -25,21 +25,19 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from spinwheel.models.tokenizer import Tokenizer
-from spinwheel.models.transformer import Transformer, token_logprobs
+from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
 from spinwheel.parallel.lazy_load import materialised_copy
 from spinwheel.parallel.mesh import ParallelDims
-from spinwheel.parallel.token_outputs import TokenOutputs, is_scalar_head
 from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResult
 from spinwheel.train.checkpoint import rng_state, save_checkpoint, set_rng_state
+from spinwheel.train.local_outputs import local_outputs
 from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS, adamw_kernel, build_adamw, decays, set_lr
+from spinwheel.train.packing import RowSpans, plan_microbatches, rows_of
 from spinwheel.train.parallel_checkpoint import SHARDED_DIR, save_parallel
-from spinwheel.train.shared_prompts import PACKING_MARGIN, SharedPrompts, plain_cost, shared_prompt_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -70,37 +68,19 @@ class Learner(Protocol):
     def save(self, ckpt_dir: Path, tokenizer: Tokenizer | None, state: dict[str, Any]) -> None: ...
 
 
-def local_outputs(model: nn.Module, batch: Batch, entropy: bool, temperature: float = 1.0) -> TokenOutputs:
-    """The reference per-token outputs: one plain forward, log-softmax over the full vocabulary of the logits / T
-    (the policy that samples at temperature T). A batch that says where its prompts end (``prompt_lens``,
-    ``completion_lens``) runs each distinct prompt once where that is cheaper (:func:`shared_prompt_outputs`)."""
-    if "prompt_lens" in batch and not is_scalar_head(model.config):
-        packed = SharedPrompts.of(batch)
-        if packed is not None and packed.cost(model.config) < PACKING_MARGIN * plain_cost(
-            model.config, *batch["input_ids"].shape
-        ):
-            return shared_prompt_outputs(model, batch, packed, entropy, temperature)
-    out = model(batch["input_ids"])
-    if is_scalar_head(model.config):
-        return TokenOutputs(values=out[..., 0].float())
-    if temperature != 1.0:
-        out = out / temperature
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            logp = F.log_softmax(out.float(), dim=-1)
-            ent = -(logp.exp() * logp).sum(-1)
-    return TokenOutputs(logprobs=token_logprobs(out, batch["labels"]), entropy=ent)
-
-
 class LocalLearner:
-    """Single-process training of ``model`` (see the module docstring)."""
+    """Single-process training of ``model`` (see the module docstring). ``micro_batch_tokens``: each forward (and
+    backward) runs on consecutive rows of at most that many tokens in all (:mod:`~spinwheel.train.packing`; 0: the
+    whole batch at once); the losses' contributions sum to the same global loss and gradients."""
 
     is_main = True
     distributed = False
 
-    def __init__(self, model: Transformer, optim: OptimConfig | None, temperature: float = 1.0) -> None:
+    def __init__(
+        self, model: Transformer, optim: OptimConfig | None, temperature: float = 1.0, micro_batch_tokens: int = 0
+    ) -> None:
         self.model, self.optim, self.temperature = model, optim, temperature
+        self.micro_batch_tokens = micro_batch_tokens
         self.optimizer = (
             build_adamw(model, optim.lr, optim.weight_decay, fused=optim.fused) if optim is not None else None
         )
@@ -109,23 +89,32 @@ class LocalLearner:
     def train_step(self, batch: Batch, loss_fn: LossFn, lr: float, *, entropy: bool = False) -> StepResult:
         assert self.optimizer is not None and self.optim is not None, "a frozen learner cannot train"
         set_lr(self.optimizer, lr)
-        loss, stats = loss_fn(local_outputs(self.model, batch, entropy, self.temperature), batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total, sums = 0.0, {}
+        for mb in self.microbatches(batch):  # each micro-batch's graph is freed by its backward
+            loss, stats = loss_fn(local_outputs(self.model, mb, entropy, self.temperature), mb)
+            loss.backward()
+            total += float(loss.detach())
+            sums.update({k: sums.get(k, 0.0) + float(v) for k, v in stats.items()})
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
-        return StepResult(float(loss.detach()), {k: float(v) for k, v in stats.items()}, grad_norm)
+        return StepResult(total, sums, grad_norm)
+
+    def microbatches(self, batch: Batch) -> list[Batch]:
+        """Consecutive rows of at most ``micro_batch_tokens`` tokens (fed tokens: :class:`RowSpans`)."""
+        plan = plan_microbatches(RowSpans.of(batch).ends, self.micro_batch_tokens)
+        return [batch] if len(plan) == 1 else [rows_of(batch, rows) for rows in plan]
 
     @torch.no_grad()
     def forward(self, batch: Batch, *, entropy: bool = False) -> dict[str, torch.Tensor]:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = local_outputs(self.model, batch, entropy, self.temperature)
+            parts = [vars(local_outputs(self.model, mb, entropy, self.temperature)) for mb in self.microbatches(batch)]
         finally:
             self.model.train(was_training)
-        return {k: v for k, v in vars(out).items() if v is not None}
+        return {k: torch.cat([p[k] for p in parts]) for k, v in parts[0].items() if v is not None}
 
     def sync_engine_model(self) -> None:
         pass

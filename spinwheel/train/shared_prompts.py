@@ -1,16 +1,16 @@
 """Rollout rows that share prompts, forwarded with each distinct prompt run once: a GRPO group's G completions of
 one prompt become one packed row ``prompt · completion₀[:-1] · completion₁[:-1] · …`` with a block mask, so the
 trainer's forwards (reference and update) process ``P·n + Σ c`` tokens instead of ``B·(n + c)``. Used by
-:func:`spinwheel.train.learners.local_outputs` where a FLOP estimate says it is cheaper (short completions)."""
+:func:`spinwheel.train.local_outputs.local_outputs` where a FLOP estimate says it is cheaper (short completions)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from spinwheel.models.transformer import AttentionMask, Transformer, token_logprobs
+from spinwheel.models.transformer import AttentionMask, Transformer
+from spinwheel.parallel.chunked_logprobs import chunked_token_logprobs
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
 
@@ -114,15 +114,10 @@ def shared_prompt_outputs(
         return_hidden=True,
     )  # (P, L, C)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(packed.src, device=device))
-    logits = model.lm_head(picked)  # (M, V), M = Σ c
-    if temperature != 1.0:
-        logits = logits / temperature
-    where = torch.tensor(packed.dst, device=device)
-    logp = token_logprobs(logits, torch.tensor(packed.tgt, device=device))  # (M,)
+    where, labels = torch.tensor(packed.dst, device=device), torch.tensor(packed.tgt, device=device)
+    # (M,) with M = Σ c, the (M, V) logits a chunk of rows at a time
+    logp, ent = chunked_token_logprobs(picked, model.lm_head, labels, temperature=temperature, entropy=entropy)
     out = TokenOutputs(logprobs=logp.new_zeros(b * t).index_copy(0, where, logp).view(b, t))
-    if entropy:
-        with torch.no_grad():
-            full = F.log_softmax(logits.float(), dim=-1)
-            ent = -(full.exp() * full).sum(-1)
-            out.entropy = ent.new_zeros(b * t).index_copy(0, where, ent).view(b, t)
+    if ent is not None:
+        out.entropy = ent.new_zeros(b * t).index_copy(0, where, ent).view(b, t)
     return out

@@ -45,6 +45,7 @@ from spinwheel.rl.llm.weight_sync import engine_sync_figures
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, start_figures
+from spinwheel.train.memory import PhasePeaks
 from spinwheel.train.run import Run, StepFailed
 
 
@@ -145,7 +146,7 @@ class RLJob:
         """A learner on the run's layout (the parallel trainer under torchrun); ``optim=None``: frozen."""
         t = self.config.temperature  # the loss's log-probs are those of the policy that samples at T
         if self.dims is None:
-            return LocalLearner(model, optim, temperature=t)
+            return LocalLearner(model, optim, temperature=t, micro_batch_tokens=self.config.parallel.micro_batch_tokens)
         full = optim is not None and model.config.num_labels is None  # the policy (the saves: a LoRA one's adapter)
         copy = "all" if full and self.engine_tp_size == 1 else "main" if full and self.config.lora_rank else "none"
         return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy, temperature=t)
@@ -187,16 +188,18 @@ class RLJob:
         """One rollout step: take the step's episodes (played now, or by the producer) → log-probs → advantages →
         update → the new weights reach the engine (or are published to the producer)."""
         c, algo, learner = self.config, self.algo, self.learner
-        start, comm_before = time.perf_counter(), learner.comm_metrics()
-        rollout = self.rollouts.take(step)
+        start, comm_before, peaks = time.perf_counter(), learner.comm_metrics(), PhasePeaks()
+        with peaks.phase("gen"):  # generate + score (with the producer: the wait for its rollouts)
+            rollout = self.rollouts.take(step)
         episodes, times, mark = rollout.episodes, rollout.times, time.perf_counter()
         rewards, keep = episode_rewards(episodes, c.group_size)
         batch = {k: v.to(c.device) for k, v in episode_batch(episodes, self.pad_id).items()}
         inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
         if not learner.distributed:  # the local learner runs each group's shared prompt once
             inputs.update(prompt_lens=batch["prompt_lens"], completion_lens=batch["completion_lens"])
-        old = None if self.on_policy else learner.forward(inputs)["logprobs"]
-        ref = self.reference.forward(inputs)["logprobs"] if self.reference is not None else None
+        with peaks.phase("logprobs"):
+            old = None if self.on_policy else learner.forward(inputs)["logprobs"]
+            ref = self.reference.forward(inputs)["logprobs"] if self.reference is not None else None
         mask, keep = batch["mask"], keep.to(batch["mask"].device)
         if c.dynamic_sampling:  # DAPO: groups whose rewards are all equal carry no signal
             keep = keep * dynamic_sampling_mask(rewards, c.group_size).float().to(mask.device)
@@ -207,13 +210,14 @@ class RLJob:
         advantages = algo.prepare(rewards.to(mask.device), mask, inputs, old, ref)
         per_row = {**inputs, "mask": mask * keep[:, None], **advantages, **self.logprob_rows(old, ref, batch, stale)}
         algo.captured.clear()
-        stats = algo.update(learner, per_row, step)
-        old = old if old is not None else algo.captured[0]  # the update's own forward: the rollout policy's
+        with peaks.phase("update"):
+            stats = algo.update(learner, per_row, step)
+        old = old if old is not None else torch.cat(algo.captured)  # the update's own forward: the rollout policy's
         times["update"], mark = time.perf_counter() - mark, time.perf_counter()
         self.rollouts.publish(step + 1, learner.engine_model)
         times["sync"] = time.perf_counter() - mark
         record = self.record(rewards, mask, keep, old, ref, batch["engine_logprobs"], stats, times)
-        record.update(**figures, **episode_metrics(episodes), **self.overlap(start, times))
+        record.update(**figures, **episode_metrics(episodes), **self.overlap(start, times), **peaks.figures())
         record.update(rollout_figures(self.rollouts))  # --rollout-ranks: the weight broadcast's seconds and MiB
         record.update(engine_sync_figures(self.rollouts))  # sync to the producer's engine copy
         return {**record, **metrics_since(learner.comm_metrics(), comm_before)}  # log-probs, updates, weight sync
