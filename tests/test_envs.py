@@ -186,7 +186,7 @@ def test_reasoning_gym_adapter():
     question = env.reset(3)
     assert question.endswith("=") and question == make("train").reset(3) != make("test").reset(3)
     segments = env.expert(3)
-    assert replay(make("train"), 3, segments) == (1.0, {})
+    assert replay(make("train"), 3, segments) == (1.0, {"correct": 1.0, "answered": 1.0})
     env.reset(3)
     assert env.step(act("twelve")).reward == 0.0
     for spec, args, message in [

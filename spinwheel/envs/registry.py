@@ -131,12 +131,20 @@ def env_class(spec: str) -> tuple[type[Env], dict[str, Any]]:
     return _user_class(spec), {}
 
 
-def load_env(spec: str, args: Sequence[str] = ()) -> EnvFactory:
-    """The factory of ``--env spec`` with ``--env-arg`` ``args``, checked by building one train-split instance."""
+def load_env(spec: str, args: Sequence[str] = (), answer_extraction: str = "auto") -> EnvFactory:
+    """The factory of ``--env spec`` with ``--env-arg`` ``args``, checked by building one train-split instance.
+    ``answer_extraction`` (``--answer-extraction``, reasoning-gym only) is its ``answer_extraction`` option unless
+    an ``--env-arg`` sets it."""
     cls, fixed = env_class(spec)
     options = parse_env_args(args)
     if fixed.keys() & options.keys():
         raise EnvError(f"--env-arg {sorted(fixed.keys() & options.keys())[0]}: set by --env {spec} itself")
+    if answer_extraction != "auto":
+        if not spec.startswith(REASONING_GYM):
+            raise EnvError(f"--answer-extraction acts for --env reasoning-gym:NAME, not --env {spec}")
+        if options.get("answer_extraction", answer_extraction) != answer_extraction:
+            raise EnvError("--answer-extraction and --env-arg answer_extraction disagree; give one of them")
+        options["answer_extraction"] = answer_extraction
     _check_options(spec, cls, options)
     factory = EnvFactory(spec, cls, {**fixed, **options})
     factory("train")

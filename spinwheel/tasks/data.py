@@ -5,11 +5,14 @@ as one line in compiler style, ``path:line: what is wrong``, so a bad record in 
 and fixed without reading the reader's code:
 
 - SFT:        ``{"prompt": str, "completion": str}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``
-              (roles system / user / assistant; the last message is the assistant's reply to train on) or
+              (roles system / user / assistant; the last message is the assistant's reply to train on) or TRL's
+              conversational ``{"prompt": [messages ending with the user's], "completion": [{"role": "assistant",
+              "content": ...}]}`` (read as the ``messages`` of the two joined) or
               ``{"segments": [{"text": str, "model": bool}, ...]}`` (a multi-turn episode, e.g. an environment's
               expert trace: trained on the ``model`` segments only)
 - RL:         ``{"prompt": str, "answer": str | int}`` or ``{"messages": [...], "answer": ...}`` (the conversation so
-              far, ending with the user's turn; rendered with the checkpoint's chat template); the line's other
+              far, ending with the user's turn; rendered with the checkpoint's chat template) or TRL's
+              conversational ``{"prompt": [messages], ...}`` (read as ``messages``); the line's other
               fields are kept in ``columns`` (a TRL-style reward function receives them by name)
 - preference: ``{"prompt": str, "chosen": str, "rejected": str}``
 
@@ -188,18 +191,21 @@ def _objects(where: str, key: str, value: Any, keys: str) -> list[tuple[str, dic
     return [(f"{key}[{i}]", item) for i, item in enumerate(value)]
 
 
-def _messages(where: str, value: Any, last_role: str = "assistant") -> list[dict[str, str]]:
+def _messages(
+    where: str, value: Any, last_role: str | None = "assistant", key: str = "messages"
+) -> list[dict[str, str]]:
+    """Field ``key``'s chat messages; the last one's role must be ``last_role`` (None: any)."""
     messages = []
-    for name, message in _objects(where, "messages", value, '{"role", "content"}'):
+    for name, message in _objects(where, key, value, '{"role", "content"}'):
         role = _string(where, message, "role", f"in '{name}'")
         content = _string(where, message, "content", f"in '{name}'")
         if role not in ROLES:
             raise DataError(f"{where}: field '{name}.role' must be one of {', '.join(ROLES)}, got {role!r}")
         messages.append({"role": role, "content": content})
-    if messages[-1]["role"] != last_role:
+    if last_role is not None and messages[-1]["role"] != last_role:
         why = "the reply to train on" if last_role == "assistant" else "the turn the policy answers"
         raise DataError(
-            f"{where}: field 'messages[{len(messages) - 1}].role' must be {last_role!r} "
+            f"{where}: field '{key}[{len(messages) - 1}].role' must be {last_role!r} "
             f"(the last message is {why}), got {messages[-1]['role']!r}"
         )
     return messages
@@ -237,11 +243,31 @@ def read_sft_jsonl(path: str | os.PathLike[str], max_line_bytes: int = MAX_LINE_
                     f"{where}: field '{both[0]}' given together with 'messages'; use one format {_SFT_FORMATS}"
                 )
             records.append(SFTRecord(messages=_messages(where, obj["messages"]), where=where))
+        elif isinstance(obj.get("prompt"), list):
+            records.append(SFTRecord(messages=_conversation(where, obj), where=where))
         else:
             prompt = _string(where, obj, "prompt", _SFT_FORMATS)
             completion = _string(where, obj, "completion", _SFT_FORMATS)
             records.append(SFTRecord(prompt=prompt, completion=completion, where=where))
     return records
+
+
+def _conversation(where: str, obj: dict[str, Any]) -> list[dict[str, str]]:
+    """TRL's conversational prompt-completion line as one conversation: ``prompt`` messages (ending with the user's
+    turn) then ``completion``, the assistant's reply as a one-message list."""
+    prompt = _messages(where, obj["prompt"], last_role="user", key="prompt")
+    if "completion" not in obj:
+        raise DataError(f"{where}: missing field 'completion' {_SFT_FORMATS}")
+    completion = obj["completion"]
+    if not isinstance(completion, list):
+        raise DataError(
+            f"{where}: field 'completion' must be a list of messages when 'prompt' is one (TRL's conversational "
+            f'form: [{{"role": "assistant", "content": ...}}]), got {_type_name(completion)}'
+        )
+    completion = _messages(where, completion, key="completion")
+    if len(completion) != 1:
+        raise DataError(f"{where}: field 'completion' must hold one assistant message, got {len(completion)}")
+    return prompt + completion
 
 
 def read_rl_jsonl(
@@ -259,6 +285,8 @@ def read_rl_jsonl(
             if "prompt" in obj:
                 raise DataError(f"{where}: field 'prompt' given together with 'messages'; use one format {expected}")
             messages, prompt = _messages(where, obj["messages"], last_role="user"), None
+        elif isinstance(obj.get("prompt"), list):  # TRL's conversational form: the prompt is the messages
+            messages, prompt = _messages(where, obj["prompt"], last_role="user", key="prompt"), None
         else:
             prompt = _string(where, obj, "prompt", expected)
         if "answer" not in obj and require_answer:

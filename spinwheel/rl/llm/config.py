@@ -61,6 +61,24 @@ class RLConfig(RunConfig):
     env_arg: tuple[str, ...] = option(
         (), help="the environment's options as key=value (repeatable)", group="model and data", repeat=True
     )
+    chat: Literal["auto", "on", "off"] = option(
+        "auto",
+        help="render raw-text prompts and observations (environments, reasoning-gym, plain --data prompts) with the "
+        "model's chat template and its generation prompt, environment answers as user turns (auto: when the "
+        "tokenizer has a template; off: raw text)",
+        group="model and data",
+    )
+    system_prompt: str | None = option(
+        None,
+        help="system message opening every conversation without one of its own (needs the chat template)",
+        group="model and data",
+    )
+    answer_extraction: Literal["auto", "last-number", "answer-tag", "boxed", "tag-or-text", "none"] = option(
+        "auto",
+        help="reasoning-gym: what of the reply score_answer compares (auto: the last number when the task's answers "
+        "are numbers, else the last <answer>...</answer> or the whole reply; none: the whole reply)",
+        group="model and data",
+    )
     agent: str | None = option(
         None,
         help="a black-box agent 'module:function' or 'path/to/file.py:function', agent(openai_client, task) -> "
@@ -222,6 +240,8 @@ class RLConfig(RunConfig):
                 "(a JSONL with a reward function is --env dataset --env-arg data=PATH reward=module:function)"
             )
         check_agent_options(self)
+        if self.answer_extraction != "auto" and not (self.env or "").startswith("reasoning-gym:"):
+            raise ValueError("--answer-extraction acts for --env reasoning-gym:NAME; drop it for this run")
         if self.env_arg and self.env is None:
             raise ValueError("--env-arg passes options to an environment: give --env too")
         if self.group_size < 2:

@@ -26,6 +26,7 @@ from typing import Any
 
 from spinwheel.envs.base import Action, Env, Message, Observation
 from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.rl.llm.chat_mode import ChatFormat
 from spinwheel.rl.llm.episode_tokens import first_tokens, observation_tokens
 
 
@@ -137,9 +138,12 @@ def checked_step(result: Any) -> tuple[Any, float, bool, dict[str, float]]:
     return obs, float(reward), bool(done), figures
 
 
-def reset_call(env: Env, seed: int, tokenizer: Tokenizer, max_chars: int) -> tuple[list[int], list[Message] | None]:
-    """On a worker: reset, check and tokenize the first observation (its tokens, and the chat history if any)."""
-    return first_tokens(tokenizer, checked_observation(env.reset(seed), max_chars))
+def reset_call(
+    env: Env, seed: int, tokenizer: Tokenizer, max_chars: int, chat: ChatFormat | None = None
+) -> tuple[list[int], list[Message] | None]:
+    """On a worker: reset, check and tokenize the first observation (its tokens, and the chat history if any;
+    ``chat``: raw text rendered as chat turns)."""
+    return first_tokens(tokenizer, checked_observation(env.reset(seed), max_chars), chat)
 
 
 def step_answer(
@@ -149,6 +153,7 @@ def step_answer(
     tokenizer: Tokenizer,
     max_chars: int,
     ended_on_eos: bool,
+    chat: ChatFormat | None = None,
 ) -> tuple[list[int] | None, list[Message] | None, float, bool, dict[str, float]]:
     """On a worker (or after a batched step): check ``env.step``'s ``result`` and tokenize the observation unless
     the episode is done: (observation tokens, chat history after them, reward, done, info)."""
@@ -156,6 +161,6 @@ def step_answer(
     if done:
         return None, history, reward, done, info
     ids, history = observation_tokens(
-        tokenizer, checked_observation(obs, max_chars), history, action.text, ended_on_eos
+        tokenizer, checked_observation(obs, max_chars), history, action.text, ended_on_eos, chat
     )
     return ids, history, reward, done, info

@@ -6,7 +6,9 @@ Observations become tokens once, when they arrive, and are never re-derived from
 - **raw text**: the first observation is encoded with the tokenizer's special tokens (BOS, exactly as a single-turn
   prompt is), later ones with ``add_special_tokens=False``; the tokens are appended as they are.
 - **chat messages**: the first observation is rendered with the chat template (``add_generation_prompt=True``) and
-  encoded without special tokens (templates write BOS themselves). After a turn only the *new suffix* is tokenized:
+  encoded without special tokens (templates write BOS themselves). Under ``--chat`` (:mod:`~spinwheel.rl.llm.chat_mode`)
+  raw text is a chat observation too: the first one the user's turn (after the system prompt), later ones the next
+  user turn. After a turn only the *new suffix* is tokenized:
   with ``history`` the messages so far and ``a`` the turn's text as an assistant message,
 
   ======== =====================================================
@@ -37,6 +39,7 @@ import torch
 
 from spinwheel.envs.base import Message, Observation
 from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.rl.llm.chat_mode import ChatFormat
 
 
 @dataclass
@@ -81,6 +84,7 @@ class EpisodeConfig:
     batch_timeout_s: float | None = 300.0  # a batched step (one-step environments' reward call); None: no limit
     max_observation_chars: int = 64 * 1024  # a larger observation fails the episode
     num_env_workers: int = 16  # environment calls running at once
+    chat: ChatFormat | None = None  # raw-text observations as chat turns (--chat); None: appended as text
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_turns", "max_total_tokens", "max_observation_chars", "num_env_workers"):
@@ -91,19 +95,29 @@ class EpisodeConfig:
             raise ValueError(f"EpisodeConfig.env_timeout_s must be > 0 or None, got {self.env_timeout_s}")
 
 
-def first_tokens(tokenizer: Tokenizer, obs: Observation) -> tuple[list[int], list[Message] | None]:
-    """The first observation's tokens (the prompt) and, for chat observations, the message history."""
-    if isinstance(obs, str):
+def first_tokens(
+    tokenizer: Tokenizer, obs: Observation, chat: ChatFormat | None = None
+) -> tuple[list[int], list[Message] | None]:
+    """The first observation's tokens (the prompt) and, for chat observations (all of them under ``chat``), the
+    message history."""
+    if isinstance(obs, str) and chat is None:
         return tokenizer.encode(obs), None
-    messages = list(obs)
+    messages = chat.first(obs) if chat is not None else list(obs)
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False), messages
 
 
 def observation_tokens(
-    tokenizer: Tokenizer, obs: Observation, history: list[Message] | None, turn_text: str, ended_on_eos: bool
+    tokenizer: Tokenizer,
+    obs: Observation,
+    history: list[Message] | None,
+    turn_text: str,
+    ended_on_eos: bool,
+    chat: ChatFormat | None = None,
 ) -> tuple[list[int], list[Message] | None]:
     """Tokens of an observation answering a turn (appended after the turn's sampled tokens), and the message history
     after it (see the module docstring)."""
+    if chat is not None and history is not None:
+        obs = chat.later(obs)
     if isinstance(obs, str):
         return tokenizer.encode(obs, add_special_tokens=False), history
     if history is None:

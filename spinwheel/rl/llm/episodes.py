@@ -140,7 +140,8 @@ class _Driver:
         try:
             for group in self.groups:
                 for r in group:
-                    self._call(r, "reset", reset_call, r.env, r.episode.env_seed, self.tokenizer, self._max_chars)
+                    args = (r.env, r.episode.env_seed, self.tokenizer, self._max_chars, self.config.chat)
+                    self._call(r, "reset", reset_call, *args)
             while self.waiting:  # every reset first: the first turns enter the engine together, in group order
                 self._check_stop()
                 self._collect_calls()
@@ -276,7 +277,7 @@ class _Driver:
         if run.batched:
             self.pending.append((run, action, ended_on_eos))
             return
-        args = (action, run.history, self.tokenizer, self._max_chars, ended_on_eos)
+        args = (action, run.history, self.tokenizer, self._max_chars, ended_on_eos, self.config.chat)
         self._call(run, "step", lambda: step_answer(run.env.step(action), *args))
 
     def _step_pending(self) -> None:
@@ -295,7 +296,7 @@ class _Driver:
         self.batch_step_s += time.perf_counter() - start
         for (r, action, eos), result in zip(pending, steps):
             try:
-                answer = step_answer(result, action, r.history, self.tokenizer, self._max_chars, eos)
+                answer = step_answer(result, action, r.history, self.tokenizer, self._max_chars, eos, self.config.chat)
             except EnvCallError as e:
                 self._fail(r, f"env.step: {e}")
             else:

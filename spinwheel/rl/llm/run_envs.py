@@ -18,6 +18,7 @@ from spinwheel.envs import Env, EnvFactory, OneStepEnv, load_env
 from spinwheel.envs.dataset import record_rewards
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.rl.llm.build import load_prompts
+from spinwheel.rl.llm.chat_mode import resolve_chat
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode
 from spinwheel.rl.llm.episodes import EpisodeConfig, EpisodeGroup, run_episodes
@@ -29,7 +30,8 @@ Scorer = Callable[..., torch.Tensor]  # (prompts, completions, timeout_s=, shoul
 
 class PromptsEnv(OneStepEnv):
     """One step over prepared prompts: ``reset(seed)`` is prompt ``seed % len(prompts)`` (its chat messages, or its
-    text), ``step`` scores the answer with the run's scorer — for all episodes of a step in one call."""
+    raw text: under ``--chat`` the episode renders it as the user's turn, as ``load_prompts`` counted its tokens),
+    ``step`` scores the answer with the run's scorer — for all episodes of a step in one call."""
 
     name: ClassVar[str] = "prompts"
 
@@ -85,11 +87,12 @@ def run_environments(
         from spinwheel.rl.llm.agent_run import AgentTasks
 
         return AgentTasks(config), False  # type: ignore[return-value]
+    chat = resolve_chat(config.chat, tokenizer, config.system_prompt)  # a bad --chat fails before anything runs
     if config.env is not None:
-        factory: EnvFactory = load_env(config.env, config.env_arg)
+        factory: EnvFactory = load_env(config.env, config.env_arg, config.answer_extraction)
         return factory, False
     scorer, builtin = run_scorer(config)
-    train, held_out = load_prompts(config, tokenizer, context, log=log)
+    train, held_out = load_prompts(config, tokenizer, context, log=log, chat=chat)
     splits = {"train": train, "test": held_out}
     return (lambda split: PromptsEnv(splits[split], scorer, split)), builtin
 
@@ -126,5 +129,6 @@ def play_share(
         max_total_tokens=config.max_episode_tokens,
         env_timeout_s=config.env_timeout_s,
         batch_timeout_s=config.reward_timeout_s,
+        chat=resolve_chat(config.chat, llm.engine.tokenizer, config.system_prompt),
     )
     return run_episodes(llm.engine, groups, episode_config, config.seed, step, should_stop, figures, token_versions)
