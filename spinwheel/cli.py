@@ -196,6 +196,7 @@ def build_parser(running: str | None = None) -> argparse.ArgumentParser:
     """Every command's options; with ``running`` (the command to run), ``serve``'s only when it is that one: the
     server's imports (FastAPI, uvicorn) would add ~0.4 s to the start of every other command and torchrun rank."""
     from spinwheel import __version__
+    from spinwheel.convert import ConvertConfig
     from spinwheel.demo import DemoConfig
     from spinwheel.envs import command as envs_command
     from spinwheel.merge import MergeConfig
@@ -233,6 +234,8 @@ def build_parser(running: str | None = None) -> argparse.ArgumentParser:
         "merge", help="fold a LoRA adapter into its base: a plain HF checkpoint", description=MergeConfig.__doc__
     )
     add_arguments(p, MergeConfig)
+    p = sub.add_parser("convert", help="a GGUF model as a plain HF checkpoint", description=ConvertConfig.__doc__)
+    add_arguments(p, ConvertConfig)
     p = sub.add_parser(
         "classic",
         help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
@@ -282,6 +285,10 @@ def _dispatch(ns: argparse.Namespace) -> int:
         from spinwheel.merge import MergeConfig, run_merge
 
         run_merge(from_args(MergeConfig, ns))
+    elif ns.command == "convert":
+        from spinwheel.convert import ConvertConfig, run_convert
+
+        run_convert(from_args(ConvertConfig, ns))
     elif ns.command == "serve":
         from spinwheel.server.serve import ServeConfig, serve
 

@@ -55,8 +55,13 @@ def _reason(e: Exception) -> str:
 
 
 def resolve_model_path(name: str | os.PathLike) -> str | os.PathLike:
-    """``name`` itself, unless it is a Hub id (:func:`is_hub_id`): then the directory of its snapshot in the local
-    cache, downloaded first if it is not cached."""
+    """``name`` itself, unless it is a GGUF file, a directory holding one or a named model (the HF checkpoint
+    converted from it, :mod:`~spinwheel.models.gguf_cache`), or a Hub id (:func:`is_hub_id`): then the directory of
+    its snapshot in the local cache, downloaded first if it is not cached."""
+    from spinwheel.models.gguf_cache import cached_checkpoint, gguf_source
+
+    if (gguf := gguf_source(name)) is not None:
+        return cached_checkpoint(gguf)
     if not is_hub_id(name):
         return name
     from huggingface_hub import constants, snapshot_download
