@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from spinwheel.config import check_ranges, option, redefault
 from spinwheel.train.run_config import RunConfig
@@ -29,6 +30,18 @@ class SFTConfig(RunConfig):
     batch_size: int = option(128, help="sequences per step", group="optimizer")
     max_seq_len: int = option(256, help="longer examples are dropped (their count is reported)", group="model and data")
     max_new_tokens: int = option(16, help="max tokens generated per held-out prompt at evaluation", group="run")
+    chat: Literal["auto", "on", "off"] = option(
+        "auto",
+        help="render plain prompts (the built-in task's, {prompt, completion} lines) as the user's turn with the "
+        "model's chat template and its generation prompt, the completion as the reply (auto: when the tokenizer "
+        "has a template of its own; off: raw text)",
+        group="model and data",
+    )
+    system_prompt: str | None = option(
+        None,
+        help="system message opening every conversation without one of its own (needs the chat template)",
+        group="model and data",
+    )
     eval_engine: bool = option(
         True,
         help="evaluate with the paged-attention serving engine (--no-eval-engine: the plain reference generate loop)",

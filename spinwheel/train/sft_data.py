@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spinwheel.envs.chat import ChatFormat, resolve_chat
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.tasks.arithmetic import ArithmeticTask, reward
 from spinwheel.tasks.data import describe_skipped, read_sft_jsonl
@@ -80,14 +81,24 @@ def _segments_row(tokenizer: Tokenizer, segments: list[tuple[str, bool]], where:
     return prompt, ids, segments[first][0], where, segments[first : last + 1]
 
 
+def _prompt_row(tokenizer: Tokenizer, prompt: str, chat: ChatFormat | None) -> tuple[str, list[int]]:
+    """A plain prompt's (text, ids): with BOS, or under ``--chat`` the user's turn rendered with the template (the
+    system prompt first; the completion then ends with EOS, the template's end of turn for ChatML)."""
+    if chat is None:
+        return prompt, tokenizer.encode(prompt)
+    text = tokenizer.apply_chat_template(chat.first(prompt), add_generation_prompt=True)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 def _read_rows(config: SFTConfig, tokenizer: Tokenizer) -> tuple[list[_Row], list[_Row]]:
     """(train, held-out) rows of the built-in task or ``config.data``. Raw prompts get the tokenizer's special
     tokens (BOS); chat-rendered prompts already carry them, as HF chat templates write BOS themselves."""
+    chat = resolve_chat(config.chat, tokenizer, config.system_prompt)
     if config.data is None:
         task = ArithmeticTask(config.task)
         return tuple(  # type: ignore[return-value]
             [
-                (e.prompt, tokenizer.encode(e.prompt), e.answer, f"{split} example {i}", None)
+                (*_prompt_row(tokenizer, e.prompt, chat), e.answer, f"{split} example {i}", None)
                 for i, e in enumerate(examples)
             ]
             for split, examples in (("train", task.train), ("test", task.test))
@@ -97,12 +108,13 @@ def _read_rows(config: SFTConfig, tokenizer: Tokenizer) -> tuple[list[_Row], lis
         if r.segments is not None:
             rows.append(_segments_row(tokenizer, r.segments, r.where))
         elif r.messages is not None:
-            prompt = tokenizer.apply_chat_template(r.messages[:-1], add_generation_prompt=True)
+            messages = chat.first(r.messages[:-1]) if chat is not None else r.messages[:-1]
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = tokenizer.encode(prompt, add_special_tokens=False)
             rows.append((prompt, ids, r.messages[-1]["content"], r.where, None))
         else:
             assert r.prompt is not None and r.completion is not None
-            rows.append((r.prompt, tokenizer.encode(r.prompt), r.completion, r.where, None))
+            rows.append((*_prompt_row(tokenizer, r.prompt, chat), r.completion, r.where, None))
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed)).tolist()
     num_eval = max(1, int(len(rows) * config.eval_fraction)) if len(rows) > 1 else 0
     return [rows[i] for i in order[num_eval:]], [rows[i] for i in order[:num_eval]]

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from spinwheel.envs.chat import ChatFormat
 from spinwheel.models.tokenizer import TokenizerError
-from spinwheel.rl.llm.chat_mode import ChatFormat
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import first_tokens
 from spinwheel.rl.llm.rollout import Prompt, prompts_from_task

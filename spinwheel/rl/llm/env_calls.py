@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spinwheel.envs.base import Action, Env, Message, Observation
+from spinwheel.envs.chat import ChatFormat
 from spinwheel.models.tokenizer import Tokenizer
-from spinwheel.rl.llm.chat_mode import ChatFormat
 from spinwheel.rl.llm.episode_tokens import first_tokens, observation_tokens
 
 

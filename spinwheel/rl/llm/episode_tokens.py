@@ -6,7 +6,7 @@ Observations become tokens once, when they arrive, and are never re-derived from
 - **raw text**: the first observation is encoded with the tokenizer's special tokens (BOS, exactly as a single-turn
   prompt is), later ones with ``add_special_tokens=False``; the tokens are appended as they are.
 - **chat messages**: the first observation is rendered with the chat template (``add_generation_prompt=True``) and
-  encoded without special tokens (templates write BOS themselves). Under ``--chat`` (:mod:`~spinwheel.rl.llm.chat_mode`)
+  encoded without special tokens (templates write BOS themselves). Under ``--chat`` (:mod:`~spinwheel.envs.chat`)
   raw text is a chat observation too: the first one the user's turn (after the system prompt), later ones the next
   user turn. After a turn only the *new suffix* is tokenized:
   with ``history`` the messages so far and ``a`` the turn's text as an assistant message,
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from spinwheel.envs.base import Message, Observation
+from spinwheel.envs.chat import ChatFormat
 from spinwheel.models.tokenizer import Tokenizer
-from spinwheel.rl.llm.chat_mode import ChatFormat
 
 
 @dataclass

@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 import torch
 
 from spinwheel.envs import Env, EnvFactory, OneStepEnv, load_env
+from spinwheel.envs.chat import resolve_chat
 from spinwheel.envs.dataset import record_rewards
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.rl.llm.build import load_prompts
-from spinwheel.rl.llm.chat_mode import resolve_chat
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode
 from spinwheel.rl.llm.episodes import EpisodeConfig, EpisodeGroup, run_episodes

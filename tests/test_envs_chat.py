@@ -1,4 +1,4 @@
-"""--chat / --system-prompt (spinwheel/rl/llm/chat_mode.py): raw-text episodes rendered with a ChatML template, token
+"""--chat / --system-prompt (spinwheel/envs/chat.py): raw-text episodes rendered with a ChatML template, token
 for token as transformers' apply_chat_template renders them; observations as user turns; --chat off as before; and
 TRL's conversational JSONL form."""
 
@@ -11,10 +11,10 @@ import pytest
 
 from spinwheel.engine import LLM
 from spinwheel.envs.base import Action, Env, Step
+from spinwheel.envs.chat import ChatFormat, resolve_chat
 from spinwheel.models import Transformer
 from spinwheel.models.presets import preset_config
 from spinwheel.models.tokenizer import Tokenizer
-from spinwheel.rl.llm.chat_mode import ChatFormat, resolve_chat
 from spinwheel.rl.llm.episode_tokens import EpisodeConfig
 from spinwheel.rl.llm.episodes import EpisodeGroup, run_episodes
 from spinwheel.tasks.data import DataError, read_rl_jsonl, read_sft_jsonl
@@ -222,3 +222,26 @@ def test_conversational_jsonl_lines(tmp_path):
     rl.write_text(json.dumps({"prompt": [{"role": "user", "content": 3}], "answer": 4}) + "\n")
     with pytest.raises(DataError, match=rf"^{rl}:1: field 'content' must be a string"):
         read_rl_jsonl(rl)
+
+
+def test_sft_plain_and_conversational_lines_under_chat(tmp_path):
+    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft_data import build_data
+
+    data = tmp_path / "sft.jsonl"
+    prompt = [{"role": "user", "content": "3+4="}]
+    lines = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(3)]
+    lines.append({"prompt": prompt, "completion": [{"role": "assistant", "content": "7"}]})
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tok = chatml_tokenizer()
+    built = build_data(SFTConfig(data=str(data), chat="on", system_prompt="Add.", eval_fraction=0.25), tok)
+    examples = built.train + built.eval
+    assert len(examples) == 4
+    for e in examples:
+        user = "3+4=" if e.reference == "7" else f"{int(e.reference) - 1}+1="
+        expected = hf_ids(tok, [{"role": "system", "content": "Add."}, {"role": "user", "content": user}])
+        assert list(e.prompt_ids) == expected
+        assert list(e.completion_ids) == tok.encode(e.reference, add_special_tokens=False) + [tok.eos_id]
+    raw = build_data(SFTConfig(data=str(data), chat="off", eval_fraction=0.25), tok)
+    plain = [e for e in raw.train + raw.eval if e.reference != "7"]
+    assert len(plain) == 3 and all(list(e.prompt_ids) == tok.encode(e.prompt) for e in plain)
