@@ -167,6 +167,12 @@ def test_chat_off_keeps_raw_text_and_auto_follows_the_template():
         resolve_chat("off", chatml_tokenizer(), "S")
     with pytest.raises(ValueError, match="give --chat on, or drop --system-prompt"):
         resolve_chat("auto", char, "S")
+    from spinwheel.rl.llm import RLConfig
+    from spinwheel.train.sft_config import SFTConfig
+
+    for config in (RLConfig, SFTConfig):  # refused before anything loads
+        with pytest.raises(ValueError, match="--system-prompt needs chat rendering: drop --chat off"):
+            config(model="test", chat="off", system_prompt="S")
 
 
 def test_system_prompt_goes_first_unless_the_conversation_has_its_own():

@@ -51,3 +51,5 @@ class SFTConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_ranges(self, at_least_1=("batch_size", "max_new_tokens", "max_seq_len"))
+        if self.system_prompt is not None and self.chat == "off":
+            raise ValueError("--system-prompt needs chat rendering: drop --chat off, or drop --system-prompt")

@@ -240,6 +240,8 @@ class RLConfig(RunConfig):
                 "(a JSONL with a reward function is --env dataset --env-arg data=PATH reward=module:function)"
             )
         check_agent_options(self)
+        if self.system_prompt is not None and self.chat == "off":
+            raise ValueError("--system-prompt needs chat rendering: drop --chat off, or drop --system-prompt")
         if self.answer_extraction != "auto" and not (self.env or "").startswith("reasoning-gym:"):
             raise ValueError("--answer-extraction acts for --env reasoning-gym:NAME; drop it for this run")
         if self.env_arg and self.env is None:
