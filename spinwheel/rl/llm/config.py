@@ -65,7 +65,7 @@ class RLConfig(RunConfig):
         "auto",
         help="render raw-text prompts and observations (environments, reasoning-gym, plain --data prompts) with the "
         "model's chat template and its generation prompt, environment answers as user turns (auto: when the "
-        "tokenizer has a template; off: raw text)",
+        "tokenizer has a template of its own, not the built-in char one; off: raw text)",
         group="model and data",
     )
     system_prompt: str | None = option(
