@@ -110,10 +110,10 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, prefix=st.booleans())
-def test_accounting_invariants_hold_under_random_operations(ops, prefix):
+@given(ops=ops, prefix=st.booleans(), reuse_first=st.booleans())
+def test_accounting_invariants_hold_under_random_operations(ops, prefix, reuse_first):
     bs = 4
-    bm = BlockManager(num_blocks=16, num_cpu_blocks=8, block_size=bs, enable_prefix_caching=prefix)
+    bm = BlockManager(16, 8, bs, enable_prefix_caching=prefix, reuse_first=reuse_first)
     tokens: dict[int, list[int]] = {}  # live sequences
     computed: dict[int, int] = {}
     where: dict[int, str] = {}
@@ -160,3 +160,27 @@ def test_accounting_invariants_hold_under_random_operations(ops, prefix):
     bm.check_invariants()
     assert bm.num_free_blocks == 16 and bm.cpu.num_free == 8
     assert not bm.block_tables and not bm.cpu_block_tables
+
+
+def test_reuse_first_touches_only_the_most_blocks_ever_in_use():
+    """A lazily committed pool (the CPU engine's): freed blocks, cached ones included, are taken before a block
+    never used, so the blocks touched are the peak in use, however many requests come and go; a cached prefix
+    still hits while nothing needed its block."""
+    bm = BlockManager(64, 0, 4, enable_prefix_caching=True, reuse_first=True)
+    assert bm.num_free_blocks == 64
+    for i in range(50):  # one request at a time, 3 blocks each, with a shared first block
+        assert bm.allocate(i, [9, 9, 9, 9] + [i] * 7) == (4 if i else 0)
+        bm.commit(i, [9, 9, 9, 9] + [i] * 7, 11)
+        bm.check_invariants()
+        bm.free(i)
+    assert bm.gpu.touched == 3 and bm.num_free_blocks == 64
+    for i in range(100, 104):  # four at once: 1 shared + 2 own blocks each
+        bm.allocate(i, [9, 9, 9, 9] + [i] * 7)
+    assert bm.gpu.touched == 9 and bm.num_free_blocks == 64 - 9
+    bm.check_invariants()
+    plain = BlockManager(64, 0, 4, enable_prefix_caching=True)
+    for i in range(50):
+        plain.allocate(i, [9, 9, 9, 9] + [i] * 7)
+        plain.commit(i, [9, 9, 9, 9] + [i] * 7, 11)
+        plain.free(i)
+    assert len({b for b in range(64) if plain.gpu.blocks[b].hash is not None}) > 40  # the whole pool went through

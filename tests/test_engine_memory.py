@@ -157,3 +157,40 @@ def test_engine_forgets_finished_rejected_and_aborted_requests():
         assert not (bm.block_tables or bm.cpu_block_tables or bm._hashes) and bm.num_used_blocks == 0
         assert sch.num_preemptions > 0, "the pool should be small enough to preempt"
         assert grown < 64 * 1024, f"{mode}: a round of 60 requests kept {grown} bytes of Python objects"
+
+
+def _rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc")
+def test_cpu_kv_pool_is_sized_from_the_model_and_committed_as_blocks_are_used():
+    """The pool's blocks: the model's bytes per block (2 x layers x block_size x KV heads x head_dim x 4) into the
+    budget, or what max_num_seqs x max_model_len needs when that is less. On CPU a 256 MiB pool adds next to
+    nothing to RSS until blocks are written (torch.zeros would add all of it); greedy output is the same as on a
+    pool of exactly the blocks used, and the blocks never used still read zero."""
+    from helpers import tiny_engine_model
+
+    model = tiny_engine_model(4096)
+    per_block = 2 * 2 * 16 * 2 * 8 * 4  # layers, block size, KV heads, head_dim 32 / 4
+    small = LLMEngine(model, None, EngineConfig(max_num_seqs=4, max_model_len=100))
+    assert small.runner.num_blocks == 4 * 7 and small.runner.block_bytes == per_block
+    before = _rss_mib()
+    engine = LLMEngine(model, None, EngineConfig(kv_cache_memory_mb=256, max_model_len=4096))
+    assert engine.runner.num_blocks == 256 * 2**20 // per_block and engine.runner.lazy_kv
+    assert _rss_mib() - before < 32, "the KV pool's pages were written at start"
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+        small.add_request(str(i), p, params)
+    outs = {}
+    for e in (engine, small):
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished:
+                    outs.setdefault(o.request_id, []).append(o.outputs[0].token_ids)
+    assert all(a == b for a, b in outs.values()) and len(outs) == 3
+    touched = engine.block_manager.gpu.touched
+    assert 0 < touched <= 3 * 4
+    assert not any(c[touched:].any() for c in engine.runner.k_caches + engine.runner.v_caches)

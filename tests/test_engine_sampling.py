@@ -282,3 +282,52 @@ def test_flush_denormal_is_scoped_to_the_step():
     with flush_denormal(True):
         assert _denormals_flushed()
     assert not _denormals_flushed()  # the caller's setting is back
+
+
+def test_greedy_kernel_matches_argmax_and_log_softmax():
+    """The fused greedy reduction: torch.argmax's first maximum and log_softmax at it, to fp32 rounding; rows with a
+    NaN or an infinite maximum are left to PyTorch (None)."""
+    from spinwheel.engine import cpu_kernels
+
+    if cpu_kernels.load_kernels() is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(0)
+    for v in (5, 16, 49_152, 1000):  # below one vector, one vector, the real vocabulary, a ragged tail
+        x = torch.randn(7, v) * 8
+        x[1, v // 2] = x[1, v - 1] = x[1].max() + 1  # a tie: the first index wins, as torch.argmax
+        x[2] = -1e30  # all equal and very negative
+        tokens, lps = cpu_kernels.greedy_rows(x)
+        ref = x.argmax(-1)
+        assert tokens == ref.tolist()
+        assert torch.allclose(torch.tensor(lps), torch.log_softmax(x, -1).gather(1, ref[:, None])[:, 0], atol=2e-6)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(3, 40)
+        x[1, 7] = bad
+        assert cpu_kernels.greedy_rows(x) is None
+    assert cpu_kernels.greedy_rows(torch.randn(2, 40, dtype=torch.float64)) is None
+
+
+def test_greedy_fast_path_equals_the_general_sampler(model, monkeypatch):
+    """Greedy requests without penalties or logprobs take the fused kernel; the tokens and cumulative log-probs are
+    the general path's (kernel disabled), and a request that needs the general path still gets it."""
+    from spinwheel.engine import sampler as sampler_module
+
+    prompts = [list(range(10, 30)), [5, 6, 7], list(range(40, 47))]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+
+    def run():
+        return LLM(model).generate(prompts, [plain, plain, penalised])
+
+    kernel = sampler_module.greedy_rows
+    monkeypatch.setattr(sampler_module, "greedy_rows", lambda x: None)
+    slow = run()
+    calls = []
+    monkeypatch.setattr(sampler_module, "greedy_rows", lambda x: calls.append(x.shape[0]) or kernel(x))
+    mixed = run()
+    assert not calls  # the penalised request shares every step: the general path ran
+    fast = LLM(model).generate(prompts[:2], plain) + mixed[2:]
+    assert calls == [2] * 8 or kernel(torch.zeros(1, 1)) is None  # one fused call per step (unless no compiler)
+    for a, b, c in zip(fast, slow, mixed):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)

@@ -38,10 +38,15 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, num_cpu_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        reuse_first: bool = False,
     ) -> None:
         self.block_size = block_size
-        self.gpu = BlockPool(num_blocks)
+        self.gpu = BlockPool(num_blocks, reuse_first)  # reuse_first: see BlockPool (a lazily committed KV pool)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> device block ids

@@ -29,23 +29,31 @@ class Block:
 class BlockPool:
     """Blocks of one device, with free list, reference counts and (optionally) a prefix-cache index."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, reuse_first: bool = False) -> None:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash
+        self._free: deque[int] = deque(() if reuse_first else range(num_blocks))  # ref 0, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, least recently used first
         self._by_hash: dict[int, int] = {}
+        # reuse_first (a pool whose memory is committed as its blocks are first written: the CPU engine's): a block
+        # never used before is taken only when no used one is free, not even a cached one, so the memory touched is
+        # the most blocks ever in use at once. Those never used are ids [touched, num_blocks), outside _free.
+        self.reuse_first = reuse_first
+        self.touched = 0 if reuse_first else num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + self.num_blocks - self.touched
 
     def allocate(self) -> int:
         if self._free:
-            block_id = self._free.popleft()
+            block_id = self._free.pop() if self.reuse_first else self._free.popleft()
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             self._unhash(self.blocks[block_id])
+        elif self.touched < self.num_blocks:
+            block_id = self.touched
+            self.touched += 1
         else:
             raise OutOfBlocks(f"all {self.num_blocks} blocks are in use")
         self.blocks[block_id].ref_count = 1
@@ -94,8 +102,9 @@ class BlockPool:
 
     def check(self, refs: dict[int, int]) -> None:
         """Assert the accounting invariants given the reference counts implied by the block tables."""
-        free = set(self._free) | set(self._evictable)
-        assert len(free) == len(self._free) + len(self._evictable), "a block is both free and evictable"
+        untouched = set(range(self.touched, self.num_blocks))
+        free = set(self._free) | set(self._evictable) | untouched
+        assert len(free) == len(self._free) + len(self._evictable) + len(untouched), "a block is free twice"
         used = [b.block_id for b in self.blocks if b.ref_count > 0]
         assert len(free) + len(used) == self.num_blocks, "free + used != total"
         for block in self.blocks:

@@ -15,8 +15,9 @@ class EngineConfig:
     block_size: int = option(16, help="tokens per KV-cache block (PagedAttention page size)")
     kv_cache_memory_mb: float = option(
         1024.0,
-        help="KV-cache budget in MiB on the model's device; the pool gets as many blocks as fit (capped at "
-        "what max_num_seqs sequences of max_model_len tokens could ever use)",
+        help="KV-cache budget in MiB on the model's device: the pool gets what max_num_seqs sequences of "
+        "max_model_len tokens could ever use, at most this (a block is 2 x layers x block_size x KV heads x "
+        "head_dim x dtype bytes); on CPU the pool's memory is committed only as its blocks are first used",
     )
     num_kv_blocks: int | None = option(None, help="exact number of KV blocks (overrides kv_cache_memory_mb)")
     swap_space_mb: float = option(
@@ -128,3 +129,15 @@ class EngineConfig:
                 f"{self.num_cpu_blocks}: swap space is never larger than the pool it backs; lower it, or leave it "
                 "unset to size the swap pool by swap_space_mb (capped at the pool)"
             )
+
+    def kv_pool_blocks(self, block_bytes: int, max_model_len: int) -> tuple[int, str]:
+        """The KV pool's size in blocks of ``block_bytes`` (the model's: :func:`~spinwheel.engine.model_runner.
+        kv_block_bytes`) for contexts of ``max_model_len`` tokens, and what set it: ``num_kv_blocks``; else what
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens could use, at most ``kv_cache_memory_mb``."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks, "num_kv_blocks"
+        workload = self.max_num_seqs * -(-max_model_len // self.block_size)
+        budget = int(self.kv_cache_memory_mb * 2**20 // block_bytes)
+        if workload <= budget:
+            return workload, "sized by max_num_seqs x max_model_len"
+        return max(1, budget), "sized by kv_cache_memory_mb"

@@ -335,3 +335,42 @@ void rope_qkv(const float *qkv, const float *cos_, const float *sin_, float *q, 
     rope_heads(qkv, sx, H * D, cos_, sin_, k, kc, slots, N, G, D, 1, threads);
     rope_heads(qkv, sx, (H + G) * D, cos_, sin_, v, vc, slots, N, G, D, 0, threads);
 }
+
+/* Greedy sampling's reduction of logits rows x (N, V): idx[n] = the first index of the row's maximum and lp[n] its
+   log-probability, -log(sum_v exp(x[n, v] - max)), in two passes over the row (max, then the exp sum; argmax and
+   logsumexp each take two or more in PyTorch). A row with a NaN or an infinite maximum gets lp = NaN: the caller
+   falls back to PyTorch, which defines those cases. */
+void greedy_rows(const float *x, int64_t N, int64_t V, int64_t *idx, float *lp, int64_t threads) {
+    const unsigned int csr = GET_CSR();
+    #pragma omp parallel if (N >= 4) num_threads(threads)
+    {
+        SET_CSR(csr);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const float *row = x + n * V;
+            int64_t v = 0, nan = 0;
+            float m = -INFINITY;
+            if (V >= 16) {
+                v16 mv = vld(row); v16i bad = (v16i)(mv != mv);
+                for (v = 16; v + 16 <= V; v += 16) {
+                    const v16 a = vld(row + v); const v16i gt = (v16i)(a > mv);
+                    bad |= (v16i)(a != a);
+                    mv = (v16)((gt & (v16i)a) | (~gt & (v16i)mv));
+                }
+                m = vmax(mv);
+                for (int i = 0; i < 16; i++) nan |= bad[i];
+            }
+            for (; v < V; v++) { if (row[v] > m) m = row[v]; nan |= row[v] != row[v]; }
+            int64_t arg = 0;
+            while (arg < V && row[arg] != m) arg++;
+            idx[n] = arg < V ? arg : 0;
+            if (nan || isinf(m)) { lp[n] = NAN; continue; }
+            const v16 mx = vsplat(m);
+            v16 tot = vsplat(0.f);
+            for (v = 0; v + 16 <= V; v += 16) tot += vexp_nonpos(vld(row + v) - mx);
+            float total = vsum(tot);
+            for (; v < V; v++) total += expf(row[v] - m);
+            lp[n] = -logf(total);
+        }
+    }
+}

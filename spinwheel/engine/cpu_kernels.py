@@ -18,9 +18,11 @@ a measurement erased most of the gain.
 **Element-wise ops** for :mod:`spinwheel.engine.cpu_forward`: RMSNorm of rows; one pass that applies RoPE to the
 fused q/k/v projection's rows, lays q/k/v out as (tokens, heads, head_dim) and writes k and v into their
 paged-cache slots; and silu(gate) * up. Each replaces 3-15 small PyTorch ops per layer; rows are shared among
-torch's OpenMP threads when there are many (prefill). They follow the model's arithmetic (fp32, gain after
-normalisation, rotate-half RoPE); summation order, fused multiply-adds and the exp approximation differ at float
-rounding level.
+torch's OpenMP threads when there are many (prefill). For the sampler, greedy decoding's reduction of logits rows:
+each row's argmax and that token's log-probability in two passes over the row (``argmax`` and ``logsumexp`` take
+four or more in PyTorch; 32 rows of a 49,152-token vocabulary are 6 MiB a step). They follow the model's
+arithmetic (fp32, gain after normalisation, rotate-half RoPE); summation order, fused multiply-adds and the exp
+approximation differ at float rounding level.
 
 The C source is ``cpu_kernels.c`` beside this module (package data, read with :mod:`importlib.resources`). It is
 compiled with the system C compiler on first use (about a second) into a private per-user temporary directory, one
@@ -90,6 +92,7 @@ class Kernels:
     rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
     silu_mul: ctypes._CFuncPtr  # type: ignore[name-defined]
     rope_qkv: ctypes._CFuncPtr  # type: ignore[name-defined]
+    greedy_rows: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
 def _bind(lib: ctypes.CDLL) -> Kernels:
@@ -99,6 +102,7 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
         "rms_norm": [ptr] * 3 + [i64] * 2 + [f32, i64],
         "silu_mul": [ptr] * 2 + [i64] * 3,
         "rope_qkv": [ptr] * 9 + [i64] * 5,
+        "greedy_rows": [ptr, i64, i64, ptr, ptr, i64],
     }
     fns = {}
     for name, argtypes in signatures.items():
@@ -296,3 +300,19 @@ def rope_qkv(
         torch.get_num_threads(),
     )
     return q, k, v
+
+
+def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+    """logits (R, V) -> the argmax of each row (the first one, as ``torch.argmax``) and its log-probability
+    (``x[argmax] - logsumexp(x)``); ``None`` when the kernels are unavailable, the tensor is not contiguous fp32 on
+    CPU, or a row holds a NaN or an infinite maximum (the caller's PyTorch path defines those)."""
+    kernels = load_kernels()
+    if kernels is None or logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return None
+    logits = logits.contiguous()
+    r, v = logits.shape
+    idx, lp = torch.empty(r, dtype=torch.int64), torch.empty(r, dtype=torch.float32)
+    kernels.greedy_rows(logits.data_ptr(), r, v, idx.data_ptr(), lp.data_ptr(), torch.get_num_threads())
+    if not bool(torch.isfinite(lp).all()):
+        return None
+    return idx.tolist(), lp.tolist()

@@ -85,6 +85,7 @@ def sample_isolated(
     keep = [i for i, g in enumerate(owners) if g not in failures]  # a request can fail while forking its samples
     if not keep:
         return []
+    keep.sort(key=row_index.__getitem__)  # in the logits' row order: usually all rows, taken as they are (no copy)
     picked = [row_index[i] for i in keep]
     if picked != list(range(logits.shape[0])):  # n > 1 forks share a row; prompt rows are skipped
         logits = logits[torch.tensor(picked, device=logits.device)]  # (len(keep), V)

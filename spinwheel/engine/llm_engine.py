@@ -78,7 +78,11 @@ class LLMEngine:
             )
             self.max_model_len = pool_tokens
         self.block_manager = BlockManager(
-            self.runner.num_blocks, self.runner.num_cpu_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            self.runner.num_cpu_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            reuse_first=self.runner.lazy_kv,  # a CPU pool's memory is committed as its blocks are first used
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(config.seed)

@@ -13,6 +13,8 @@ performs the block copies the block manager asks for.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -64,18 +66,10 @@ class ModelRunner:
         self.config = config
         self.block_size = bs = config.block_size
         cfg = model.config
-        block_bytes = kv_block_bytes(model, bs)
-        # never more blocks than max_num_seqs sequences of max_model_len tokens could hold
-        cap = config.max_num_seqs * -(-max_model_len // bs)
-        if config.num_kv_blocks is not None:
-            self.num_blocks = config.num_kv_blocks
-        else:
-            self.num_blocks = max(1, min(cap, int(config.kv_cache_memory_mb * 2**20 // block_bytes)))
+        self.block_bytes = block_bytes = kv_block_bytes(model, bs)
+        self.num_blocks, sized_by = config.kv_pool_blocks(block_bytes, max_model_len)
         if config.num_cpu_blocks is not None:
             # the config checked it against an exact num_kv_blocks; here against a pool sized by memory
-            sized_by = (
-                "capped at max_num_seqs x max_model_len" if self.num_blocks == cap else "sized by kv_cache_memory_mb"
-            )
             config.check_swap_space(self.num_blocks, sized_by, "num_cpu_blocks (--engine-num-cpu-blocks)")
             self.num_cpu_blocks = config.num_cpu_blocks
         elif config.preemption_mode != "swap":
@@ -84,21 +78,35 @@ class ModelRunner:
             self.num_cpu_blocks = min(self.num_blocks, int(config.swap_space_mb * 2**20 // block_bytes))
         shape = (bs, cfg.num_key_value_heads, cfg.head_dim)
         device, dtype = model.device, model.dtype
-        layers = range(cfg.num_hidden_layers)
-        self.k_caches = [torch.zeros(self.num_blocks, *shape, device=device, dtype=dtype) for _ in layers]
-        self.v_caches = [torch.zeros(self.num_blocks, *shape, device=device, dtype=dtype) for _ in layers]
+        layers = cfg.num_hidden_layers
+        # on CPU the pool's pages are committed as blocks are first written (the block pool reuses blocks first)
+        self.lazy_kv = device.type == "cpu"
+        self.k_caches, self.v_caches, self._kv_buffer = _kv_pool(self.num_blocks, shape, layers, device, dtype)
         pin = device.type == "cuda"
-        self.cpu_k_caches = [torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
-        self.cpu_v_caches = [torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
+        self.cpu_k_caches = [
+            torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in range(layers)
+        ]
+        self.cpu_v_caches = [
+            torch.zeros(self.num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in range(layers)
+        ]
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # decodes go through the fused C kernel (one call per layer, blocks read in place) where it applies
         self.fused_decode = device.type == "cpu" and dtype == torch.float32 and load_kernels() is not None
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB on %s), %d CPU swap blocks (%.1f MiB)",
+            "KV cache: %d blocks x %d tokens = %d bytes (%.1f MiB on %s%s; %d bytes a token: %d layers x 2 x %d KV "
+            "heads x %d x %d bytes), %s; %d CPU swap blocks (%.1f MiB)",
             self.num_blocks,
             bs,
+            self.kv_cache_bytes,
             self.kv_cache_bytes / 2**20,
             device,
+            ", committed as blocks are first used" if self.lazy_kv else "",
+            block_bytes // bs,
+            layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype.itemsize,
+            sized_by,
             self.num_cpu_blocks,
             self.num_cpu_blocks * block_bytes / 2**20,
         )
@@ -295,6 +303,25 @@ class ModelRunner:
             hidden = hidden[torch.tensor(inputs.picks, dtype=torch.long, device=hidden.device)]
         logits = self.packed.lm_head(hidden) if self.packed is not None else self.model.lm_head(hidden)
         return StepLogits(logits.float(), inputs.sample_rows, inputs.prompt_rows)
+
+
+def _kv_pool(
+    num_blocks: int, shape: tuple[int, ...], layers: int, device: torch.device, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor], mmap.mmap | None]:
+    """Zeroed K and V caches (num_blocks, *shape) for every layer. On CPU all of them are views of one private
+    anonymous mapping: its pages are zero and take memory only once written (``torch.zeros`` would write them all),
+    so a process's RSS holds the blocks used, not the budget."""
+    if device.type != "cpu":
+        return (
+            [torch.zeros(num_blocks, *shape, device=device, dtype=dtype) for _ in range(layers)],
+            [torch.zeros(num_blocks, *shape, device=device, dtype=dtype) for _ in range(layers)],
+            None,
+        )
+    nbytes = 2 * layers * num_blocks * math.prod(shape) * dtype.itemsize
+    flags = getattr(mmap, "MAP_PRIVATE", None)
+    buffer = mmap.mmap(-1, nbytes) if flags is None else mmap.mmap(-1, nbytes, flags=flags)
+    caches = torch.frombuffer(buffer, dtype=dtype).view(2 * layers, num_blocks, *shape)
+    return list(caches[:layers]), list(caches[layers:]), buffer
 
 
 def _indices(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

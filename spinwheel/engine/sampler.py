@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spinwheel.engine.cpu_kernels import greedy_rows
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.sequence import Sequence
 
@@ -88,6 +89,17 @@ def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, flo
     return out
 
 
+def _changes_logits(row: SampleRow) -> bool:
+    """True when penalties, a logit bias or min_tokens masking apply to this row's logits at this step."""
+    p = row.params
+    return bool(p.needs_penalties or p.logit_bias or (p.min_tokens and row.seq.num_output_tokens < p.min_tokens))
+
+
+def _plain_greedy(row: SampleRow) -> bool:
+    """Greedy with nothing but the chosen token's log-prob to report: the argmax of the raw logits."""
+    return row.params.temperature < SAMPLING_EPS and row.params.logprobs is None and not _changes_logits(row)
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -103,6 +115,10 @@ class Sampler:
         """logits (R, V) -> one token per row."""
         logits = logits.float()
         r = logits.shape[0]
+        if all(_plain_greedy(row) for row in rows):  # greedy, nothing to apply: one fused pass per row on CPU
+            fast = greedy_rows(logits)
+            if fast is not None:
+                return SamplerOutput(fast[0], fast[1], [None] * r)
         want_logprobs = [row.params.logprobs is not None for row in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
@@ -163,13 +179,7 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        need = [
-            i
-            for i, row in enumerate(rows)
-            if row.params.needs_penalties
-            or row.params.logit_bias
-            or (row.params.min_tokens and row.seq.num_output_tokens < row.params.min_tokens)
-        ]
+        need = [i for i, row in enumerate(rows) if _changes_logits(row)]
         if not need:
             return logits
         logits = logits.clone()

@@ -141,8 +141,7 @@ def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
     elem = torch.empty((), dtype=dtype).element_size()
     full_block = 2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads * elem
     full_block *= model_config.head_dim  # type: ignore[operator]
-    cap = config.max_num_seqs * -(-max_model_len // config.block_size)
-    blocks = config.num_kv_blocks or max(1, min(cap, int(config.kv_cache_memory_mb * 2**20 // full_block)))
+    blocks, _ = config.kv_pool_blocks(full_block, max_model_len)
     cpu = config.num_cpu_blocks
     if cpu is None:
         cpu = 0 if config.preemption_mode != "swap" else min(blocks, int(config.swap_space_mb * 2**20 // full_block))
