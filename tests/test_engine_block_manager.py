@@ -162,25 +162,28 @@ def test_accounting_invariants_hold_under_random_operations(ops, prefix, reuse_f
     assert not bm.block_tables and not bm.cpu_block_tables
 
 
-def test_reuse_first_touches_only_the_most_blocks_ever_in_use():
-    """A lazily committed pool (the CPU engine's): freed blocks, cached ones included, are taken before a block
-    never used, so the blocks touched are the peak in use, however many requests come and go; a cached prefix
-    still hits while nothing needed its block."""
-    bm = BlockManager(64, 0, 4, enable_prefix_caching=True, reuse_first=True)
-    assert bm.num_free_blocks == 64
-    for i in range(50):  # one request at a time, 3 blocks each, with a shared first block
-        assert bm.allocate(i, [9, 9, 9, 9] + [i] * 7) == (4 if i else 0)
-        bm.commit(i, [9, 9, 9, 9] + [i] * 7, 11)
-        bm.check_invariants()
-        bm.free(i)
-    assert bm.gpu.touched == 3 and bm.num_free_blocks == 64
-    for i in range(100, 104):  # four at once: 1 shared + 2 own blocks each
-        bm.allocate(i, [9, 9, 9, 9] + [i] * 7)
-    assert bm.gpu.touched == 9 and bm.num_free_blocks == 64 - 9
-    bm.check_invariants()
-    plain = BlockManager(64, 0, 4, enable_prefix_caching=True)
-    for i in range(50):
-        plain.allocate(i, [9, 9, 9, 9] + [i] * 7)
-        plain.commit(i, [9, 9, 9, 9] + [i] * 7, 11)
-        plain.free(i)
-    assert len({b for b in range(64) if plain.gpu.blocks[b].hash is not None}) > 40  # the whole pool went through
+def test_reuse_first_touches_only_the_blocks_in_use_and_cached_at_once():
+    """A lazily committed pool (the CPU engine's): a freed block is taken before one never used, so the blocks
+    touched are the most ever held at once (in use, or cached) however many requests come and go; without it the
+    free list walks through the whole pool. Cached prefixes are evicted only when no untouched block is left."""
+    for prefix in (False, True):
+        bm = BlockManager(64, 0, 4, enable_prefix_caching=prefix, reuse_first=True)
+        plain = BlockManager(64, 0, 4, enable_prefix_caching=prefix)
+        used: dict[BlockManager, set[int]] = {bm: set(), plain: set()}
+        for i in range(40):  # one request at a time: 3 blocks each, the first shared by all
+            for m in (bm, plain):
+                m.allocate(i, [9, 9, 9, 9] + [i] * 7)
+                m.commit(i, [9, 9, 9, 9] + [i] * 7, 11)
+                m.check_invariants()
+                used[m] |= set(m.block_tables[i])
+                m.free(i)
+        assert bm.num_free_blocks == plain.num_free_blocks == 64
+        assert len(used[bm]) == bm.gpu.touched and len(used[plain]) == 64  # without it: the whole pool written
+        if prefix:  # shared block, each own full block (cached: untouched blocks remain), one recycled partial
+            assert bm.gpu.touched == 1 + 40 + 1 and bm.allocate(99, [9, 9, 9, 9] + [3] * 5) == 8
+        else:
+            assert bm.gpu.touched == 3
+    bm = BlockManager(64, 0, 4, reuse_first=True)
+    for i in range(4):  # four at once
+        bm.allocate(i, list(range(11)))
+    assert bm.gpu.touched == 12 and bm.num_free_blocks == 52

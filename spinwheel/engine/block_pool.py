@@ -35,9 +35,11 @@ class BlockPool:
         self._free: deque[int] = deque(() if reuse_first else range(num_blocks))  # ref 0, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, least recently used first
         self._by_hash: dict[int, int] = {}
-        # reuse_first (a pool whose memory is committed as its blocks are first written: the CPU engine's): a block
-        # never used before is taken only when no used one is free, not even a cached one, so the memory touched is
-        # the most blocks ever in use at once. Those never used are ids [touched, num_blocks), outside _free.
+        # reuse_first (a pool whose memory is committed as its blocks are first written: the CPU engine's): a freed
+        # block is taken again before one never used (last freed, first taken), and one never used before a cached
+        # prefix is evicted (as without it); so the memory touched is what the blocks in use and the prefix cache
+        # ever held at once, not the whole pool once the free list has cycled through it. The blocks never used are
+        # ids [touched, num_blocks), outside _free.
         self.reuse_first = reuse_first
         self.touched = 0 if reuse_first else num_blocks
 
@@ -48,12 +50,12 @@ class BlockPool:
     def allocate(self) -> int:
         if self._free:
             block_id = self._free.pop() if self.reuse_first else self._free.popleft()
-        elif self._evictable:
-            block_id, _ = self._evictable.popitem(last=False)
-            self._unhash(self.blocks[block_id])
         elif self.touched < self.num_blocks:
             block_id = self.touched
             self.touched += 1
+        elif self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._unhash(self.blocks[block_id])
         else:
             raise OutOfBlocks(f"all {self.num_blocks} blocks are in use")
         self.blocks[block_id].ref_count = 1
