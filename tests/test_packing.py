@@ -7,12 +7,20 @@ import pytest
 import torch
 
 from spinwheel.models.hf import load_model
+from spinwheel.models.presets import preset_config
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import AttentionMask
 from spinwheel.rl.llm.rollout import Prompt, Rollout, rollout_batch
 from spinwheel.rl.llm.token_losses import grpo_loss, token_weights
 from spinwheel.train.learners import LocalLearner, OptimConfig
-from spinwheel.train.packing import RowSpans, packed_outputs, plan_microbatches
+from spinwheel.train.packing import (
+    RowSpans,
+    activation_bytes_per_token,
+    auto_micro_batch_tokens,
+    packed_outputs,
+    plan_microbatches,
+    shared_prefixes,
+)
 
 TOK = Tokenizer.char_level()
 T_SAMPLE = 0.7  # the learner's rollout temperature: log-probs of logits / T
@@ -85,9 +93,10 @@ def test_micro_batched_packed_step_equals_the_padded_step(group):
     padded one-forward step's loss, stats and gradients: the global weights make each micro-batch's part exact."""
     batch = rollout_rows(["12+34=", "5+6=", "7*8=", "100-1=", "9+9="], group=group, seed=group)
     padded = step_grads(grpo_batch(batch, packed=False, seed=2), budget=0)  # plain rows: one padded forward
-    lengths = RowSpans.of(batch).ends
-    budget = max(lengths) - 1  # the longest row goes alone, the others share
-    assert len(plan_microbatches(lengths, budget)) >= 3
+    budget = max(RowSpans.of(batch).ends) - 1  # the longest row goes alone, the others share
+    model = load_model("test", seed=3, vocab_size=TOK.vocab_size)
+    layout, mbs = LocalLearner(model, None, micro_batch_tokens=budget).microbatches(grpo_batch(batch, True, 2))
+    assert layout == ("packed" if group == 1 else "shared") and len(mbs) >= 3
     packed = step_grads(grpo_batch(batch, packed=True, seed=2), budget=budget)
     assert packed[0] == pytest.approx(padded[0], rel=1e-5, abs=1e-7)
     assert packed[1].keys() == padded[1].keys()
@@ -129,3 +138,16 @@ def test_segments_attend_within_each_sequence_only():
     )
     torch.testing.assert_close(packed[:, :4], model(a), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[:, 4:], model(b), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prompt_rows_count_their_prompt_once_and_the_auto_budget_follows_the_model():
+    batch = rollout_rows(["12+34=", "5+6="], group=3, seed=5)
+    n = batch["prompt_lens"].tolist()
+    assert shared_prefixes(batch) == [0, n[1], n[2], 0, n[4], n[5]]  # each group's later rows share its prompt
+    assert plan_microbatches([10, 10, 10, 10], 18, shared=[0, 6, 6, 0]) == [range(0, 3), range(3, 4)]  # 10 + 4 + 4
+    smol = preset_config("test", 49_152, num_hidden_layers=30, hidden_size=576, intermediate_size=1536)
+    assert activation_bytes_per_token(smol) == 30 * (16 * 576 + 5 * 1536) * 4  # ≈ 2.0 MB: SmolLM2-135M
+    assert auto_micro_batch_tokens(smol) == 529
+    model = load_model("test", seed=3, vocab_size=TOK.vocab_size)
+    auto = LocalLearner(model, None, micro_batch_tokens=None).micro_batch_tokens
+    assert auto == auto_micro_batch_tokens(model.config) > 529  # a smaller model: more tokens in the same memory

@@ -68,11 +68,11 @@ class ParallelConfig:
     microbatches: int = option(
         1, help="micro-batches per step: pipeline micro-batches with pp > 1, gradient accumulation otherwise"
     )
-    micro_batch_tokens: int = option(
-        4096,
+    micro_batch_tokens: int | None = option(
+        None,
         help="one process: rows packed without padding into micro-batches of at most this many tokens, each "
-        "forward and backward on one at a time (bounds activation memory; a longer row goes alone); 0: the "
-        "whole minibatch at once",
+        "forward and backward on one at a time (bounds activation memory; a longer row goes alone); default: as "
+        "many as keep one micro-batch's activations near 1 GiB (from the model's shape); 0: the whole minibatch",
     )
     schedule: Literal["gpipe", "1f1b"] = option("1f1b", help="pipeline schedule")
     remat: RematMode = option(

@@ -32,11 +32,12 @@ from spinwheel.parallel.config import ParallelConfig
 from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
 from spinwheel.parallel.lazy_load import materialised_copy
 from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.parallel.token_outputs import is_scalar_head
 from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResult
 from spinwheel.train.checkpoint import rng_state, save_checkpoint, set_rng_state
-from spinwheel.train.local_outputs import local_outputs
+from spinwheel.train.local_outputs import Layout, choose_layout, local_outputs, micro_batch_plan
 from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS, adamw_kernel, build_adamw, decays, set_lr
-from spinwheel.train.packing import RowSpans, plan_microbatches, rows_of
+from spinwheel.train.packing import auto_micro_batch_tokens, rows_of
 from spinwheel.train.parallel_checkpoint import SHARDED_DIR, save_parallel
 
 logger = logging.getLogger(__name__)
@@ -70,17 +71,23 @@ class Learner(Protocol):
 
 class LocalLearner:
     """Single-process training of ``model`` (see the module docstring). ``micro_batch_tokens``: each forward (and
-    backward) runs on consecutive rows of at most that many tokens in all (:mod:`~spinwheel.train.packing`; 0: the
-    whole batch at once); the losses' contributions sum to the same global loss and gradients."""
+    backward) runs on consecutive rows of at most that many tokens in all (:mod:`~spinwheel.train.packing`; None:
+    :func:`~spinwheel.train.packing.auto_micro_batch_tokens`, 0: the whole batch at once); the losses'
+    contributions sum to the same global loss and gradients."""
 
     is_main = True
     distributed = False
 
     def __init__(
-        self, model: Transformer, optim: OptimConfig | None, temperature: float = 1.0, micro_batch_tokens: int = 0
+        self,
+        model: Transformer,
+        optim: OptimConfig | None,
+        temperature: float = 1.0,
+        micro_batch_tokens: int | None = 0,
     ) -> None:
         self.model, self.optim, self.temperature = model, optim, temperature
-        self.micro_batch_tokens = micro_batch_tokens
+        auto = micro_batch_tokens is None and not is_scalar_head(model.config)
+        self.micro_batch_tokens = auto_micro_batch_tokens(model.config) if auto else micro_batch_tokens or 0
         self.optimizer = (
             build_adamw(model, optim.lr, optim.weight_decay, fused=optim.fused) if optim is not None else None
         )
@@ -91,8 +98,9 @@ class LocalLearner:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         total, sums = 0.0, {}
-        for mb in self.microbatches(batch):  # each micro-batch's graph is freed by its backward
-            loss, stats = loss_fn(local_outputs(self.model, mb, entropy, self.temperature), mb)
+        layout, mbs = self.microbatches(batch)
+        for mb in mbs:  # each micro-batch's graph is freed by its backward
+            loss, stats = loss_fn(local_outputs(self.model, mb, entropy, self.temperature, layout), mb)
             loss.backward()
             total += float(loss.detach())
             sums.update({k: sums.get(k, 0.0) + float(v) for k, v in stats.items()})
@@ -101,17 +109,19 @@ class LocalLearner:
         self.optimizer.step()
         return StepResult(total, sums, grad_norm)
 
-    def microbatches(self, batch: Batch) -> list[Batch]:
-        """Consecutive rows of at most ``micro_batch_tokens`` tokens (fed tokens: :class:`RowSpans`)."""
-        plan = plan_microbatches(RowSpans.of(batch).ends, self.micro_batch_tokens)
-        return [batch] if len(plan) == 1 else [rows_of(batch, rows) for rows in plan]
+    def microbatches(self, batch: Batch) -> tuple[Layout, list[Batch]]:
+        """The batch's layout and its consecutive rows of at most ``micro_batch_tokens`` tokens run in it."""
+        layout = choose_layout(self.model, batch)
+        plan = micro_batch_plan(batch, layout, self.micro_batch_tokens)
+        return layout, [batch] if len(plan) == 1 else [rows_of(batch, rows) for rows in plan]
 
     @torch.no_grad()
     def forward(self, batch: Batch, *, entropy: bool = False) -> dict[str, torch.Tensor]:
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [vars(local_outputs(self.model, mb, entropy, self.temperature)) for mb in self.microbatches(batch)]
+            layout, mbs = self.microbatches(batch)
+            parts = [vars(local_outputs(self.model, mb, entropy, self.temperature, layout)) for mb in mbs]
         finally:
             self.model.train(was_training)
         return {k: torch.cat([p[k] for p in parts]) for k, v in parts[0].items() if v is not None}
