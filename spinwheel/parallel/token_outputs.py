@@ -52,8 +52,19 @@ def vocab_parallel_entropy(logits: torch.Tensor, axis: Axis, comm: Comm) -> torc
 def token_outputs(
     out: torch.Tensor, labels: torch.Tensor, tp_axis: Axis, comm: Comm, *, scalar_head: bool, entropy: bool = False
 ) -> TokenOutputs:
-    """Turn the model's output (b, T, V or V/tp; (b, T, 1) for a scalar head) into :class:`TokenOutputs`."""
+    """Turn the model's output (b, T, V or V/tp; (b, T, 1) for a scalar head) into :class:`TokenOutputs`. Without
+    gradients (old / reference log-probs) a row at a time: the fp32 copies log-softmax and the entropy make are one
+    row's, not the batch's (every tensor-parallel rank has the same rows: the collectives stay matched)."""
     if scalar_head:
         return TokenOutputs(values=out[..., 0].float())
+    if not torch.is_grad_enabled() and out.dim() == 3 and out.shape[0] > 1:
+        parts = [
+            token_outputs(out[i : i + 1], labels[i : i + 1], tp_axis, comm, scalar_head=False, entropy=entropy)
+            for i in range(out.shape[0])
+        ]
+        return TokenOutputs(
+            logprobs=torch.cat([p.logprobs for p in parts]),  # type: ignore[misc]
+            entropy=torch.cat([p.entropy for p in parts]) if entropy else None,  # type: ignore[misc]
+        )
     logprobs = -vocab_parallel_cross_entropy(out, labels, tp_axis, comm)
     return TokenOutputs(logprobs=logprobs, entropy=vocab_parallel_entropy(out, tp_axis, comm) if entropy else None)
