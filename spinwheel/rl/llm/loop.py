@@ -45,7 +45,7 @@ from spinwheel.rl.llm.weight_sync import engine_sync_figures
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, start_figures
-from spinwheel.train.memory import PhasePeaks
+from spinwheel.train.memory import PhasePeaks, release_free_memory
 from spinwheel.train.run import Run, StepFailed
 
 
@@ -191,6 +191,7 @@ class RLJob:
         start, comm_before, peaks = time.perf_counter(), learner.comm_metrics(), PhasePeaks()
         with peaks.phase("gen"):  # generate + score (with the producer: the wait for its rollouts)
             rollout = self.rollouts.take(step)
+        release_free_memory()  # what generation freed (its activations): not resident under the update's peak
         episodes, times, mark = rollout.episodes, rollout.times, time.perf_counter()
         rewards, keep = episode_rewards(episodes, c.group_size)
         batch = {k: v.to(c.device) for k, v in episode_batch(episodes, self.pad_id).items()}
@@ -212,6 +213,7 @@ class RLJob:
         algo.captured.clear()
         with peaks.phase("update"):
             stats = algo.update(learner, per_row, step)
+        release_free_memory()  # and the update's, not carried into the next generation
         old = old if old is not None else torch.cat(algo.captured)  # the update's own forward: the rollout policy's
         times["update"], mark = time.perf_counter() - mark, time.perf_counter()
         self.rollouts.publish(step + 1, learner.engine_model)
