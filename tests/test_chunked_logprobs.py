@@ -45,16 +45,27 @@ def test_values_and_gradients_equal_full_logits(temperature, rows):
     assert float(ref_gw.abs().max()) > 1e-2  # the comparison is not of zeros
 
 
-def test_frozen_head_gets_no_gradient_and_no_grad_forward_works():
-    head = nn.Linear(8, 30, bias=False).requires_grad_(False)  # LoRA: the tied embedding is frozen
-    hidden = torch.randn(10, 8, requires_grad=True)
-    labels = torch.randint(0, 30, (10,))
-    logp, ent = chunked_token_logprobs(hidden, head, labels, rows=3)
-    assert ent is None
-    logp.sum().backward()
-    assert head.weight.grad is None and hidden.grad is not None
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_frozen_head_gradient_from_the_forward_equals_full_logits(temperature):
+    """LoRA's tied embedding is frozen: the hidden states' gradient comes from rows kept in the forward."""
+    gen = torch.Generator().manual_seed(1)
+    head = nn.Linear(8, 30, bias=False).requires_grad_(False)
     with torch.no_grad():
-        again, _ = chunked_token_logprobs(hidden, head, labels, rows=4)
+        head.weight.copy_(torch.randn(30, 8, generator=gen))
+    hidden = torch.randn(10, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 30, (10,), generator=gen)
+    upstream = torch.randn(10, generator=gen)
+    ref_logp, _ = reference(hidden, head, labels, temperature)
+    (ref_logp * upstream).sum().backward()
+    ref_gh, hidden.grad = hidden.grad.clone(), None
+    logp, ent = chunked_token_logprobs(hidden, head, labels, temperature=temperature, rows=3)
+    assert ent is None
+    (logp * upstream).sum().backward()
+    assert head.weight.grad is None
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden.grad, ref_gh, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        again, _ = chunked_token_logprobs(hidden, head, labels, temperature=temperature, rows=4)
     torch.testing.assert_close(again, logp.detach())
 
 
