@@ -45,12 +45,16 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._evictable) + self.num_blocks - self.touched
+        return len(self._free) + len(self._evictable) + self._untouched
+
+    @property
+    def _untouched(self) -> int:
+        return self.num_blocks - self.touched if self.reuse_first else 0
 
     def allocate(self) -> int:
         if self._free:
             block_id = self._free.pop() if self.reuse_first else self._free.popleft()
-        elif self.touched < self.num_blocks:
+        elif self._untouched:
             block_id = self.touched
             self.touched += 1
         elif self._evictable:
@@ -104,7 +108,7 @@ class BlockPool:
 
     def check(self, refs: dict[int, int]) -> None:
         """Assert the accounting invariants given the reference counts implied by the block tables."""
-        untouched = set(range(self.touched, self.num_blocks))
+        untouched = set(range(self.touched, self.touched + self._untouched))
         free = set(self._free) | set(self._evictable) | untouched
         assert len(free) == len(self._free) + len(self._evictable) + len(untouched), "a block is free twice"
         used = [b.block_id for b in self.blocks if b.ref_count > 0]
