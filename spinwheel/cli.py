@@ -46,8 +46,9 @@ class GenerateConfig:
 
     model: str = option(
         "runs/demo/grpo/checkpoint",
-        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache), preset, or a "
-        "PEFT adapter directory (its base with the adapter folded in)",
+        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache), preset, a GGUF "
+        "file (or a directory holding one), a named model (smollm2-135m-instruct), or a PEFT adapter directory (its "
+        "base with the adapter folded in)",
     )
     prompt: list[str] = option(None, help="prompt(s) to complete", default_factory=lambda: ["12+34="])
     chat: bool = option(False, help="send each prompt as a user message through the tokenizer's chat template")

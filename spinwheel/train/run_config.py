@@ -24,7 +24,8 @@ class RunConfig:
     model: str = option(
         "runs/sft/checkpoint",
         help="model to start from: built-in preset (tiny, small, test), HF checkpoint directory, Hugging Face "
-        "Hub id (owner/name, through the local HF cache), or a PEFT adapter directory: the base it names with the "
+        "Hub id (owner/name, through the local HF cache), a GGUF file (or a directory holding one), a named model "
+        "(smollm2-135m-instruct), or a PEFT adapter directory: the base it names with the "
         "adapter folded in (with --lora-rank, new adapters train on that merged model, as TRL does from an SFT "
         "adapter)",
         group="model and data",
