@@ -84,7 +84,9 @@ def load_hf(model: str):
     """transformers' model for the same ``--model`` string, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(model)
+    from spinwheel.models.gguf_cache import gguf_source
+
+    path = gguf_source(model) or Path(model)  # a named model or a directory holding a .gguf: its file
     if path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     else:
