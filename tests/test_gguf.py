@@ -203,6 +203,11 @@ def test_bad_files_and_names_are_one_line_errors(tmp_path, monkeypatch):
     (two / "a.gguf").write_bytes(b""), (two / "b.gguf").write_bytes(b"")
     with pytest.raises(GGUFError, match="holds 2 .gguf files"):
         gguf_source(two)
+    good = tmp_path / "empty.gguf"
+    good.write_bytes(b"")
+    monkeypatch.setenv("SPINWHEEL_CACHE", str(bad))  # a file: no directory can be made under it
+    with pytest.raises(GGUFError, match="set SPINWHEEL_CACHE to a writable directory"):
+        load_model(good)
     monkeypatch.setitem(NAMED_MODELS, "nope-1m", ("no_such_pkg_xyz", "x.gguf", "pip install 'spinwheel[nope]'"))
     with pytest.raises(GGUFError, match=r"no-such-pkg-xyz: pip install 'spinwheel\[nope\]'"):
         load_model("nope-1m")

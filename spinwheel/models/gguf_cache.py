@@ -74,9 +74,15 @@ def cached_checkpoint(gguf: Path) -> Path:
     target = cache_root() / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}-", dir=target.parent))
+    except OSError as e:
+        raise GGUFError(
+            f"{gguf}: cannot write its converted checkpoint under {target.parent} ({e.strerror}); set SPINWHEEL_CACHE "
+            "to a writable directory, or convert it once with `spinwheel convert` and pass that directory"
+        ) from None
     logger.warning("converting %s to an HF checkpoint (once) in %s", gguf.name, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}-", dir=target.parent))
     try:
         convert_gguf(gguf, tmp)
         umask = os.umask(0)
