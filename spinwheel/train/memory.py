@@ -112,7 +112,10 @@ class PhasePeaks:
             yield
         finally:
             sampled, after = sampler.stop(), process_peak_gb()
-            peak = after if after > before or sampled is None else sampled
+            # The kernel updates VmHWM lazily (at unmaps), so a rise seen during this phase may be an earlier
+            # phase's peak recorded late: it is this phase's only if the sampler saw RSS come near it here.
+            rose_here = after > before and (sampled is None or sampled >= after - 0.25 * (after - before) - 0.05)
+            peak = after if rose_here or sampled is None else sampled
             self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
 
     def figures(self) -> dict[str, float]:
