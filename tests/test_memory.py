@@ -16,6 +16,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /
 
 
 @linux
+@pytest.mark.serial  # process-wide RSS: earlier tests in the same xdist worker leave freed memory mapped
 def test_phase_peaks_see_memory_freed_inside_the_phase():
     peaks = PhasePeaks()
     before = current_rss_gb()
