@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from spinwheel import commands
 from spinwheel.cli_errors import Parser, check_policy_checkpoint, out_of_memory, stdout_closed, unknown_options
 from spinwheel.config import add_arguments, from_args, option
 
@@ -197,10 +198,8 @@ def build_parser(running: str | None = None) -> argparse.ArgumentParser:
     """Every command's options; with ``running`` (the command to run), ``serve``'s only when it is that one: the
     server's imports (FastAPI, uvicorn) would add ~0.4 s to the start of every other command and torchrun rank."""
     from spinwheel import __version__
-    from spinwheel.convert import ConvertConfig
     from spinwheel.demo import DemoConfig
     from spinwheel.envs import command as envs_command
-    from spinwheel.merge import MergeConfig
     from spinwheel.rl.classic import command as classic_command
     from spinwheel.rl.llm.command import PREF_COMMANDS, add_pref_parser, add_rl_parser, rl_commands
 
@@ -231,12 +230,7 @@ def build_parser(running: str | None = None) -> argparse.ArgumentParser:
 
         add_arguments(p, ServeConfig)
         _add_engine_arguments(p)
-    p = sub.add_parser(
-        "merge", help="fold a LoRA adapter into its base: a plain HF checkpoint", description=MergeConfig.__doc__
-    )
-    add_arguments(p, MergeConfig)
-    p = sub.add_parser("convert", help="a GGUF model as a plain HF checkpoint", description=ConvertConfig.__doc__)
-    add_arguments(p, ConvertConfig)
+    commands.add_parsers(sub, running)
     p = sub.add_parser(
         "classic",
         help="policy-gradient RL (VPG / TRPO / PPO) on a gymnasium environment",
@@ -282,18 +276,12 @@ def _dispatch(ns: argparse.Namespace) -> int:
         from spinwheel.envs import command as envs_command
 
         return envs_command.run(ns)
-    elif ns.command == "merge":
-        from spinwheel.merge import MergeConfig, run_merge
-
-        run_merge(from_args(MergeConfig, ns))
-    elif ns.command == "convert":
-        from spinwheel.convert import ConvertConfig, run_convert
-
-        run_convert(from_args(ConvertConfig, ns))
     elif ns.command == "serve":
         from spinwheel.server.serve import ServeConfig, serve
 
         serve(from_args(ServeConfig, ns), _engine_from_args(ns))
+    else:
+        return commands.run(ns) or 0
     return 0
 
 
