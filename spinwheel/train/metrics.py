@@ -7,12 +7,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from spinwheel.train.report import Reporter
+
 
 class MetricsLogger:
     """Appends records to ``<out_dir>/metrics.jsonl``. On resume, records after the resumed step are dropped so the
-    file reads as one uninterrupted run."""
+    file reads as one uninterrupted run. ``reporter`` (``--report-to``) gets every record too, at its step."""
 
-    def __init__(self, out_dir: str | os.PathLike, resume_step: int | None = None) -> None:
+    def __init__(
+        self, out_dir: str | os.PathLike, resume_step: int | None = None, reporter: Reporter | None = None
+    ) -> None:
+        self.reporter = reporter
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
@@ -25,9 +30,21 @@ class MetricsLogger:
             ]
             self.path.write_text("".join(line + "\n" for line in kept))
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        """Append ``record``; the reporter gets it at ``step`` (default: the record's ``"step"``)."""
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.report(record, int(record.get("step", 0)) if step is None else step)
+
+    def report(self, figures: dict[str, Any], step: int) -> None:
+        """``figures`` to the reporter only (a row the file holds in another shape)."""
+        if self.reporter is not None:
+            self.reporter.log(figures, step)
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
+            self.reporter = None
 
     def read(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)

@@ -29,6 +29,7 @@ OBSERVATION_OPTIONS = frozenset(
         "force",
         "num_threads",
         "progress",
+        "report_to",
         "reward_timeout_s",
         "parallel.timeout_s",
         "parallel.remat",

@@ -26,6 +26,7 @@ import dataclasses
 import math
 import signal
 import sys
+import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ from spinwheel.train.checkpoint import load_trainer_state, recover_interrupted_s
 from spinwheel.train.interrupt import Interrupted, StopOnSignal, any_rank
 from spinwheel.train.learners import Learner, is_main_process
 from spinwheel.train.metrics import MetricsLogger, plot_curves
+from spinwheel.train.report import check_backend, open_reporter
 from spinwheel.train.resume import OBSERVATION_OPTIONS, finished_message, resume_message, resume_point
 from spinwheel.train.run_dir import RunDirError, RunDirLock, prepare_out_dir
 
@@ -127,6 +129,7 @@ class Run:
         return self._stop is not None and self._stop.signum is not None
 
     def __enter__(self) -> Run:
+        check_backend(self.config.report_to)  # a missing --report-to package: one line before anything starts
         self._created = not self.out_dir.exists()
         self._open_dir()
         c = self.config
@@ -141,6 +144,8 @@ class Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.logger is not None:
+            self.logger.close()
         self._lock.release()
         if self._created:  # a run refused before it wrote anything leaves no empty --out-dir behind
             with contextlib.suppress(OSError):
@@ -195,9 +200,12 @@ class Run:
         return c.steps if c.stop_after is None else min(c.steps, self.start_step + c.stop_after)
 
     def open_log(self, is_main: bool) -> None:
-        """Open ``metrics.jsonl`` on the main rank (a resumed run keeps the rows up to its step)."""
+        """Open ``metrics.jsonl`` on the main rank (a resumed run keeps the rows up to its step), and the
+        ``--report-to`` reporter that mirrors it."""
         if is_main:
-            self.logger = MetricsLogger(self.out_dir, resume_step=self.start_step if self.resumed else None)
+            c = self.config
+            reporter = open_reporter(c.report_to, self.out_dir, dataclasses.asdict(c), f"{self.desc} {self.out_dir}")
+            self.logger = MetricsLogger(self.out_dir, self.start_step if self.resumed else None, reporter)
 
     def log(self, record: dict[str, Any]) -> None:
         if self.logger is not None:
@@ -265,12 +273,14 @@ class Run:
             self._stop = stop
             for step in bar:
                 fit_threads()  # fewer threads while other processes hold cores (spinwheel.threads)
+                started = time.perf_counter()
                 try:
                     record = {"step": step + 1, **job.step(step)}
                 except StepFailed as e:
                     bar.close()
                     self._save_before_failure(job, step, stop, e.cause)
                     raise e.cause from None
+                record.setdefault("time/step", time.perf_counter() - started)  # wall seconds (the curves' step time)
                 bad = nonfinite(record)
                 signum, any_bad = stop.agree(bad is not None)
                 if any_bad:

@@ -9,6 +9,7 @@ with :func:`~spinwheel.config.redefault`. The run harness (:mod:`spinwheel.train
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from spinwheel.config import check_ranges, option
 from spinwheel.models.hf import resolve_dtype
@@ -63,6 +64,12 @@ class RunConfig:
         group="run",
     )
     progress: bool = option(True, help="show a progress bar", group="run")
+    report_to: Literal["none", "tensorboard", "wandb"] = option(
+        "none",
+        help="also log every metric to TensorBoard (<out-dir>/tensorboard) or Weights & Biases (offline unless "
+        "WANDB_MODE / an API key say otherwise); the main rank only",
+        group="run",
+    )
     lora_rank: int = option(
         0, help="train LoRA adapters of this rank on a frozen base (0: train every parameter)", group="model and data"
     )

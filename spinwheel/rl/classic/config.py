@@ -112,6 +112,9 @@ class ClassicConfig:
     eval_episodes: int = option(10, help="deterministic evaluation episodes at the end", group="run")
     out_dir: str = option("runs/classic", help="where metrics.jsonl, learning_curve.png and policy.pt go", group="run")
     progress: bool = option(True, help="show a progress bar", group="run")
+    report_to: Literal["none", "tensorboard", "wandb"] = option(
+        "none", help="also log every metric to TensorBoard (<out-dir>/tensorboard) or Weights & Biases", group="run"
+    )
     num_threads: int = option(1, help="torch CPU threads (1 is fastest for small MLPs)", group="run")
     dist_timeout_s: float = option(300.0, help="timeout of data-parallel collectives, seconds", group="parallel layout")
 

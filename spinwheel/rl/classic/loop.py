@@ -12,13 +12,11 @@ Outputs in ``out_dir``: ``metrics.jsonl`` (one line per update, then an ``eval``
 
 from __future__ import annotations
 
-import contextlib
-import json
+import dataclasses
 import math
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
 
 import numpy as np
 import torch
@@ -35,6 +33,8 @@ from spinwheel.rl.classic.rollout import RolloutCollector
 from spinwheel.rl.classic.trpo import TRPO
 from spinwheel.rl.classic.vpg import VPG
 from spinwheel.rl.losses import explained_variance
+from spinwheel.train.metrics import MetricsLogger
+from spinwheel.train.report import open_reporter
 from spinwheel.train.run import NonFiniteError
 from spinwheel.train.run_dir import RunDirLock
 
@@ -55,15 +55,18 @@ def train(config: ClassicConfig, stop: threading.Event | None = None) -> dict:
         dp.close()
 
 
-def _open_metrics(out_dir: Path, dp: DataParallel) -> tuple[TextIO | None, RunDirLock | None]:
+def _open_metrics(config: ClassicConfig, dp: DataParallel) -> tuple[MetricsLogger | None, RunDirLock | None]:
     """Rank 0 takes ``out_dir`` for this run (a lock: a second run on it fails naming this one's pid) and opens
-    ``metrics.jsonl`` (other ranks get ``None``); every rank learns whether that worked, so a bad ``--out-dir`` fails
-    all ranks at once (as it fails one process) instead of leaving the peers waiting in a collective."""
-    metrics_file, lock, error = None, None, None
+    ``metrics.jsonl`` and the ``--report-to`` reporter (other ranks get ``None``); every rank learns whether that
+    worked, so a bad ``--out-dir`` fails all ranks at once (as it fails one process) instead of leaving the peers
+    waiting in a collective."""
+    metrics_file, lock, error, out_dir = None, None, None, Path(config.out_dir)
     if dp.is_main:
         try:
             lock = RunDirLock(out_dir).acquire()
-            metrics_file = open(out_dir / "metrics.jsonl", "w")
+            name = f"{config.algo} {config.env} {out_dir}"
+            reporter = open_reporter(config.report_to, out_dir, dataclasses.asdict(config), name)
+            metrics_file = MetricsLogger(out_dir, reporter=reporter)
         except (OSError, ValueError) as e:
             error = e
             if lock is not None:
@@ -80,9 +83,12 @@ def _train(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None
     envs = VecEnv(config.env, env_slice.stop - env_slice.start, config.seed, env_offset=env_slice.start)
     lock = None
     try:
-        metrics_file, lock = _open_metrics(Path(config.out_dir), dp)
-        with metrics_file if metrics_file is not None else contextlib.nullcontext():
+        metrics_file, lock = _open_metrics(config, dp)
+        try:
             return _run(config, dp, stop, envs, metrics_file)
+        finally:
+            if metrics_file is not None:
+                metrics_file.close()
     finally:
         envs.close()
         if lock is not None:
@@ -90,7 +96,11 @@ def _train(config: ClassicConfig, dp: DataParallel, stop: threading.Event | None
 
 
 def _run(
-    config: ClassicConfig, dp: DataParallel, stop: threading.Event | None, envs: VecEnv, metrics_file: TextIO | None
+    config: ClassicConfig,
+    dp: DataParallel,
+    stop: threading.Event | None,
+    envs: VecEnv,
+    metrics_file: MetricsLogger | None,
 ) -> dict:
     policy = ActorCritic(
         envs.single_observation_space, envs.single_action_space, config.hidden_sizes, config.activation
@@ -126,9 +136,8 @@ def _run(
                 )
             record = _record(config, update, time.perf_counter() - start, episodes, batch, dp, lr_scale, stats)
             history.append(record)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()  # readable while the run goes on (tail -f)
+            if metrics_file is not None:  # a line per update, readable while the run goes on (tail -f)
+                metrics_file.log(record, step=record["env_steps"])
             bar.update(config.rollout_size)
             if record["episode_return_mean"] is not None:
                 bar.set_postfix(ret=f"{record['episode_return_mean']:.1f}", refresh=False)
@@ -184,7 +193,7 @@ def _finish(
     history: list[dict],
     interrupted: bool,
     seconds: tuple[float, float],
-    metrics_file: TextIO | None,
+    metrics_file: MetricsLogger | None,
 ) -> dict:
     """Evaluate (unless interrupted) and, on rank 0, write the last metrics line, ``policy.pt`` and the curve."""
     env_steps = len(history) * config.rollout_size
@@ -205,8 +214,8 @@ def _finish(
     if dp.is_main:
         out_dir = Path(config.out_dir)
         assert metrics_file is not None
-        metrics_file.write(json.dumps({"interrupted" if interrupted else "eval": result}) + "\n")
-        metrics_file.flush()
+        metrics_file.log({"interrupted" if interrupted else "eval": result}, step=env_steps)
+        metrics_file.report({k: v for k, v in result.items() if k.startswith("eval_")}, env_steps)
         save_policy(policy, rollout.obs_rms, config, out_dir / "policy.pt")
         final = None if interrupted else (result["eval_return_mean"], result["eval_return_std"])
         title = f"{config.algo} {config.env} seed {config.seed}"
