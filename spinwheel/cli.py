@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from spinwheel.engine import EngineConfig, SamplingParams
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.sft_config import SFTConfig
+from spinwheel.user_code import exit_despite_threads
 
 DESCRIPTION = (
     "spinwheel: LLM post-training on PyTorch. SFT, then policy-gradient RL (GRPO, RLOO, REINFORCE++, PPO, "
@@ -286,7 +287,9 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv is None:  # the program itself: threads user code left running cannot keep it alive
+        return exit_despite_threads(main, sys.argv[1:])
+    argv = list(argv)
     if argv[:1] == ["launch"]:
         from spinwheel.parallel.launch import launch
 
