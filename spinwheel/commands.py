@@ -25,6 +25,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "spinwheel.convert:ConvertConfig",
         "spinwheel.convert:run_convert",
     ),
+    "tinker": (
+        "the Tinker training API (the official tinker SDK) over one base model: LoRA clients batched together",
+        "spinwheel.tinker.serve:TinkerConfig",
+        "spinwheel.tinker.serve:run_tinker",
+    ),
 }
 
 

@@ -1,0 +1,142 @@
+"""The service's one worker: every request that touches the model runs here, on one thread, in an order that keeps
+each training client's requests in the order it sent them while batching different clients together.
+
+Each training client (model id) has a FIFO of jobs; sampling requests have their own. One round of the worker takes
+the head job of every client: all heads that are ``forward_backward`` run as one batch (one forward and one backward
+over every client's rows, :meth:`~spinwheel.tinker.trainer.Trainer.forward_backward`), ``forward`` heads as another
+batch without gradients, and the other heads (``optim_step``, saves, loads) one by one; then every pending sampling
+request runs in the engine together. A job's exception fails its future alone (one request, one failure): the
+request's own fault (bad shapes, an unknown loss, token ids outside the vocabulary, a missing checkpoint) with
+category ``user``, anything else ``server``; the worker goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spinwheel.models.lora import LoRAError
+from spinwheel.tinker.checkpoints import CheckpointPathError
+from spinwheel.tinker.futures import FutureStore
+from spinwheel.tinker.losses import LossInputError
+from spinwheel.tinker.sampler import Sampler
+from spinwheel.tinker.trainer import Trainer, UnknownModelError
+from spinwheel.tinker.wire import FwdBwdRequest, encode_forward_backward
+
+logger = logging.getLogger("spinwheel.tinker")
+USER_ERRORS = (LossInputError, CheckpointPathError, LoRAError, UnknownModelError)
+
+
+@dataclass
+class Job:
+    rid: str
+    fwdbwd: FwdBwdRequest | None = None  # a forward / forward_backward request
+    call: Callable[[], Any] | None = None  # anything else: its result is the future's value
+    sample: tuple[str, dict] | None = None  # (sampling session id, SampleRequest)
+
+
+@dataclass
+class Queues:
+    by_model: dict[str, deque[Job]] = field(default_factory=dict)
+    samples: deque[Job] = field(default_factory=deque)
+
+
+def fail(store: FutureStore, rid: str, e: BaseException) -> None:
+    if isinstance(e, USER_ERRORS):
+        store.set_error(rid, str(e), "user")
+    else:
+        logger.exception("request %s failed in the service", rid)
+        store.set_error(rid, f"{type(e).__name__}: {e}", "server")
+
+
+class Worker:
+    def __init__(self, trainer: Trainer, sampler: Sampler, store: FutureStore) -> None:
+        self.trainer, self.sampler, self.store = trainer, sampler, store
+        self.queues = Queues()
+        self._cond = threading.Condition()
+        self._stop = False
+        self.num_batches = 0  # forward_backward batches run (tests check that clients were batched)
+        self.batch_sizes: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="tinker-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, model_id: str | None, job: Job) -> str:
+        with self._cond:
+            if model_id is None:
+                self.queues.samples.append(job)
+            else:
+                self.queues.by_model.setdefault(model_id, deque()).append(job)
+            self._cond.notify()
+        return job.rid
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(30)
+
+    def _take(self) -> tuple[list[Job], list[Job]] | None:
+        with self._cond:
+            while not self._stop and not self.queues.samples and not any(self.queues.by_model.values()):
+                self._cond.wait()
+            if self._stop:
+                return None
+            heads = [q.popleft() for q in self.queues.by_model.values() if q]
+            samples = list(self.queues.samples)
+            self.queues.samples.clear()
+            return heads, samples
+
+    def _run(self) -> None:
+        while (work := self._take()) is not None:
+            heads, samples = work
+            for forward_only in (False, True):
+                batch = [j for j in heads if j.fwdbwd is not None and j.fwdbwd.forward_only == forward_only]
+                if batch:
+                    self._fwdbwd(batch, backward=not forward_only)
+            for job in heads:
+                if job.call is not None:
+                    self._call(job)
+            if samples:
+                self._sample(samples)
+
+    def _call(self, job: Job) -> None:
+        try:
+            self.store.set_result(job.rid, job.call())  # type: ignore[misc]
+        except Exception as e:
+            fail(self.store, job.rid, e)
+
+    def _fwdbwd(self, jobs: list[Job], backward: bool) -> None:
+        rows, ok = [], []
+        for job in jobs:
+            try:
+                rows.extend(self.trainer.rows(len(ok), job.fwdbwd))  # type: ignore[arg-type]
+                ok.append(job)
+            except Exception as e:
+                fail(self.store, job.rid, e)
+        if not ok:
+            return
+        try:
+            results = self.trainer.forward_backward(rows, len(ok), backward)
+        except Exception as e:
+            for job in ok:
+                fail(self.store, job.rid, e)
+            return
+        self.num_batches += 1
+        self.batch_sizes.append(len(ok))
+        for job, (outputs, loss) in zip(ok, results):
+            self.store.set_result(job.rid, encode_forward_backward(outputs, {"loss:sum": loss}))
+
+    def _sample(self, jobs: list[Job]) -> None:
+        try:
+            results = self.sampler.run([j.sample for j in jobs])  # type: ignore[misc]
+        except Exception as e:
+            results = [e] * len(jobs)
+        for job, result in zip(jobs, results):
+            if isinstance(result, Exception):
+                fail(self.store, job.rid, result)
+            else:
+                self.store.set_result(job.rid, result)
