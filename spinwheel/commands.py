@@ -30,6 +30,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "spinwheel.tinker.serve:TinkerConfig",
         "spinwheel.tinker.serve:run_tinker",
     ),
+    "plot": (
+        "the curves of one or more runs (their metrics.jsonl) in one PNG, runs overlaid",
+        "spinwheel.plot:PlotConfig",
+        "spinwheel.plot:run_plot",
+    ),
 }
 
 
