@@ -171,7 +171,10 @@ def _add_option(group: Any, f: dataclasses.Field, hint: Any, prefix: str, defaul
     # A help text that explains its own default, or a None default (unset), shows no "(default: ...)".
     shown = help_text if default is None or "default" in help_text else f"{help_text} (default: {default!r})"
     dest = prefix.replace("-", "_") + f.name
-    if tp is bool:
+    if f.metadata.get("positional"):  # a list of operands: ``spinwheel plot DIR [DIR ...]``
+        (inner, *_) = typing.get_args(tp) or (str,)
+        group.add_argument(dest, type=inner, nargs="*", default=default, help=shown, metavar=f.name.upper())
+    elif tp is bool:
         group.add_argument(name, dest=dest, action=_Flag, default=default, help=shown)
     elif typing.get_origin(tp) in (list, tuple) and f.metadata.get("repeat"):  # --x a b --x c: (a, b, c)
         (inner, *_) = typing.get_args(tp) or (str,)

@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per line in ``metrics.jsonl``, and PNG curves drawn from that file."""
+"""Training metrics: one JSON object per line in ``metrics.jsonl`` (mirrored to ``--report-to``), and the PNG curves
+drawn from that file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from spinwheel.train.curves import plot_runs
 from spinwheel.train.report import Reporter
 
 
@@ -57,23 +59,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 def plot_curves(
     records: list[dict[str, Any]], path: str | os.PathLike, panels: list[tuple[str, str]], title: str = ""
 ) -> None:
-    """One subplot per ``(key, label)`` panel, the key's value against ``step``, saved as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, (key, label) in zip(axes[0], panels):
-        points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """The run's curves as a PNG (:mod:`spinwheel.train.curves`: the panels that move in this run); ``panels``:
+    ``(key, label)`` figures of the command beyond the common ones."""
+    plot_runs([("", records)], path, title, extra=panels)

@@ -76,26 +76,11 @@ def evaluate_saved(path: str | Path, num_episodes: int) -> dict:
 
 
 def plot_learning_curve(history: list[dict], path: Path, title: str, final: tuple[float, float] | None = None) -> None:
-    """Mean training-episode return per update against environment steps (Agg canvas, no global backend)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """The run's curves (:mod:`spinwheel.train.curves`, the look of every command): training-episode return per
+    update against environment steps, the deterministic evaluation at the end, and the update's figures that move."""
+    from spinwheel.train.curves import plot_runs
 
-    points = [(h["env_steps"], h["episode_return_mean"]) for h in history if h["episode_return_mean"] is not None]
-    fig = Figure(figsize=(6, 4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    if points:
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, label="training episodes")
+    records = list(history)
     if final is not None and history and not math.isnan(final[0]):
-        ax.errorbar(
-            [history[-1]["env_steps"]], [final[0]], yerr=[final[1]], fmt="o", capsize=4, label="deterministic eval"
-        )
-    ax.set_xlabel("environment steps")
-    ax.set_ylabel("episode return")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+        records.append({"eval": {"env_steps": history[-1]["env_steps"], "eval_return_mean": final[0]}})
+    plot_runs([("", records)], path, title)
