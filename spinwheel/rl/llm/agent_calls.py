@@ -26,7 +26,6 @@ unknown).
 from __future__ import annotations
 
 import json
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import httpx
 
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.rl.llm.episode_tokens import Episode, has_drift
+from spinwheel.rl.llm.rewards import finite_float32
 
 GENERATION_PATHS = ("/completions", "/chat/completions")
 
@@ -111,9 +111,9 @@ def agent_episode(
     if error is None and not calls:
         error = "the agent made no model call"
     if error is None and (
-        isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward)
+        isinstance(reward, bool) or not isinstance(reward, (int, float)) or not finite_float32(reward)
     ):
-        error = f"the agent returned {reward!r}, not a finite number"
+        error = f"the agent returned {reward!r:.40}, not a finite number within float32's range (±3.4e38)"
     if chains:
         last = chains[-1]
         e.token_ids, e.mask, e.engine_logprobs = list(last.token_ids), list(last.mask), list(last.logprobs)

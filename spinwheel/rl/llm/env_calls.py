@@ -28,6 +28,7 @@ from spinwheel.envs.base import Action, Env, Message, Observation
 from spinwheel.envs.chat import ChatFormat
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.rl.llm.episode_tokens import first_tokens, observation_tokens
+from spinwheel.rl.llm.rewards import finite_float32
 
 
 class EnvCallError(ValueError):
@@ -129,8 +130,8 @@ def checked_step(result: Any) -> tuple[Any, float, bool, dict[str, float]]:
         obs, reward, done, info = result.observation, result.reward, result.done, result.info
     except AttributeError:
         raise EnvCallError(f"step must return a Step (observation, reward, done, info), got {result!r:.80}") from None
-    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-        raise EnvCallError(f"reward must be a finite number, got {reward!r:.40}")
+    if not isinstance(reward, numbers.Real) or not finite_float32(reward):
+        raise EnvCallError(f"reward must be a finite number within float32's range (±3.4e38), got {reward!r:.40}")
     figures = {}
     for key, value in (info or {}).items() if isinstance(info, dict) else ():
         if isinstance(value, numbers.Real) and math.isfinite(float(value)):

@@ -42,6 +42,7 @@ from spinwheel.envs.base import Action, Env
 from spinwheel.envs.single import step_batch
 from spinwheel.rl.llm.env_calls import EnvCall, EnvCallError, EnvWorkers, reset_call, step_answer
 from spinwheel.rl.llm.episode_tokens import Episode, EpisodeConfig, has_drift
+from spinwheel.rl.llm.rewards import finite_float32
 from spinwheel.rl.llm.rollout import sample_seed
 
 WAIT_SLICE_S = 0.01  # how long an idle engine waits on environment calls before looking at the clock again
@@ -306,6 +307,9 @@ class _Driver:
         e = run.episode
         e.turn_rewards.append(reward)
         e.info.update(info)
+        if not finite_float32(math.fsum(e.turn_rewards)):  # each turn's is; their sum may not be
+            return self._fail(run, f"env.step: the episode's total reward {math.fsum(e.turn_rewards):.3g} is past "
+                              "float32's range (±3.4e38)")  # fmt: skip
         if done:
             return self._finish(run, "done")
         if e.num_turns >= run.max_turns:

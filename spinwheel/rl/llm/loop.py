@@ -297,8 +297,8 @@ class RLJob:
         """The step's figures: rewards, lengths, kept groups, mismatch, the update's stats, KL, phase times."""
         c = self.config
         record = {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
+            "reward_mean": float(rewards.double().mean()),  # float64: a float32 sum of valid rewards may overflow
+            "reward_std": float(rewards.double().std()),
             "response_len": float(mask.sum(1).mean()),
             "kept_groups": float(keep.sum()) / c.group_size,
             **{k: float(v) for k, v in logprob_mismatch(old, engine_logprobs, mask).items()},

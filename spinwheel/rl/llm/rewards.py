@@ -28,6 +28,15 @@ from spinwheel.user_code import import_user_module
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]  # (completions, answers) -> one number each
 
 WAIT_SLICE_S = 0.05  # how often a waiting score() looks at should_stop and the clock
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # ~3.4e38: a larger reward is inf to the loss
+
+
+def finite_float32(value: numbers.Real) -> bool:
+    """Whether a real number is finite as float32, the dtype the loss sees (``1e39`` is a finite double only)."""
+    try:
+        return bool(torch.isfinite(torch.tensor(float(value), dtype=torch.float32)))
+    except OverflowError:  # an int past float64
+        return False
 
 
 class RewardError(ValueError):

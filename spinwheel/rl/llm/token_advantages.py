@@ -44,11 +44,11 @@ def group_advantages(rewards: Tensor, group_size: int, scale_std: bool = True, e
     to match it exactly. ``scale_std=False`` is Dr. GRPO: ``r_i - mean_g``. A group whose rewards are all
     equal gets advantage 0 either way.
     """
-    table = _groups(rewards, group_size)
+    table = _groups(rewards, group_size).double()  # a float32 group's sum may overflow (four rewards of 3e38)
     centred = table - table.mean(dim=1, keepdim=True)
     if scale_std:
         centred = centred / (table.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    return centred.reshape(-1).to(rewards.dtype)
 
 
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
@@ -57,9 +57,9 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     Equal to ``G / (G - 1) · (r_i - mean_g)``; each sample's baseline is independent of its own reward, so the
     gradient stays unbiased.
     """
-    table = _groups(rewards, group_size)
+    table = _groups(rewards, group_size).double()  # the group's sum in float64: a float32 one may overflow
     others = (table.sum(dim=1, keepdim=True) - table) / (group_size - 1)
-    return (table - others).reshape(-1)
+    return (table - others).reshape(-1).to(rewards.dtype)
 
 
 def dynamic_sampling_mask(rewards: Tensor, group_size: int) -> Tensor:
@@ -80,14 +80,14 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) 
     mean back (only scales). Entries outside the mask come out 0; with a single masked entry its variance is
     taken as 0 (its whitened value is 0).
     """
-    m = mask.to(x.dtype)
+    x64, m = x.double(), mask.double()  # sums of float32 returns may overflow float32 (3e38 each)
     count = m.sum()
-    mean = (x * m).sum() / count.clamp(min=1)
-    var = ((x - mean).pow(2) * m).sum() / (count - 1).clamp(min=1)  # one entry: var 0, the output 0
-    out = (x - mean) * torch.rsqrt(var + eps)
+    mean = (x64 * m).sum() / count.clamp(min=1)
+    var = ((x64 - mean).pow(2) * m).sum() / (count - 1).clamp(min=1)  # one entry: var 0, the output 0
+    out = (x64 - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * m
+    return (out * m).to(x.dtype)
 
 
 def final_token_mask(mask: Tensor) -> Tensor:
@@ -156,11 +156,12 @@ def reinforce_pp_advantages(
     With ``group_size`` this is "REINFORCE++ w/ baseline": each score first has its group's mean subtracted
     (Dr. GRPO's centring) before the global whitening. Shapes as :func:`token_rewards`; 0 outside the mask.
     """
+    scores, kl64 = scores.double(), kl.double()  # in float64: centred scores and returns may pass float32's range
     if group_size is not None:
         scores = group_advantages(scores, group_size, scale_std=False)
-    m = mask.to(kl.dtype)
-    returns = reverse_scan(token_rewards(scores, kl, m, beta).T, gamma).T * m
-    return whiten(returns, m)
+    m = mask.to(torch.float64)
+    returns = reverse_scan(token_rewards(scores, kl64, m, beta).T, gamma).T * m
+    return whiten(returns, m).to(kl.dtype)
 
 
 @dataclass
