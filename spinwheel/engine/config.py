@@ -40,6 +40,11 @@ class EngineConfig:
     )
     enable_chunked_prefill: bool = option(True, help="split long prompts across steps under the token budget")
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of identical prompt prefixes")
+    kv_allocation: Literal["paged", "reserved"] = option(
+        "paged",
+        help="paged: KV blocks as tokens need them (PagedAttention); reserved: Orca's baseline, every block of "
+        "prompt + max_tokens taken when a request is admitted (one sequence per request; for comparison only)",
+    )
     preemption_mode: Literal["recompute", "swap"] = option(
         "recompute", help="when blocks run out: free and re-prefill later, or move the blocks to CPU"
     )
@@ -105,6 +110,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_allocation not in ("paged", "reserved"):
+            raise ValueError(f"kv_allocation must be 'paged' or 'reserved', got {self.kv_allocation!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.num_kv_blocks is not None:

@@ -33,6 +33,7 @@ from collections import deque
 from spinwheel.engine.block_manager import AllocStatus, BlockManager
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.forks import SamplingForks
+from spinwheel.engine.reservation import ADMISSIONS
 from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -42,6 +43,7 @@ class Scheduler(SamplingForks):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.admission = ADMISSIONS[config.kv_allocation](block_manager)  # paged, or Orca's reservation
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -71,6 +73,8 @@ class Scheduler(SamplingForks):
         prompt_len, max_tokens = len(group.prompt_token_ids), group.params.max_tokens
         if prompt_len == 0:
             return "the prompt is empty"
+        if reason := self.admission.never_fits(group):
+            return reason
         if group.width > self.config.max_num_seqs:
             return f"n={group.width} exceeds max_num_seqs={self.config.max_num_seqs}"
         if prompt_len + max_tokens > self.max_model_len:
@@ -191,7 +195,7 @@ class Scheduler(SamplingForks):
                 break
             shared = self._shared_prefix(seqs)
             cached = group.params.prompt_logprobs is None or group.forked  # scoring a prompt computes all of it
-            status = bm.can_allocate([s.token_ids for s in seqs], shared, cached, group.params.lora)
+            status = self.admission.can_allocate(group, [s.token_ids for s in seqs], shared, cached)
             if status == AllocStatus.NEVER:  # cannot happen to a request _never_fits let in: fail it, never stall
                 self.waiting.popleft()
                 group.error = (
@@ -255,6 +259,7 @@ class Scheduler(SamplingForks):
         group.shared_prefill = (leader, shared) if shared else None
         for s in seqs:
             s.status = SequenceStatus.RUNNING
+        self.admission.reserve(group, seqs)  # reserved allocation: the rest of prompt + max_tokens too
 
     def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute this step) for those of ``seqs`` that fit in ``budget``, in order."""
