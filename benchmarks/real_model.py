@@ -134,6 +134,31 @@ def run_hf_static(hf, prompts: list[list[int]], max_new: int, batch_size: int, p
     return dict(time=wall, cpu=time.process_time() - c0, tokens=tokens, n=sum(map(len, tokens)))
 
 
+def run_linear_floor(llm: LLM, prompts: list[list[int]], max_new: int) -> dict:
+    """The projections alone (the GEMMs every implementation of this model must run: per layer q|k|v, o, gate|up,
+    down, and the LM head on each sequence's last row), on the engine's own oneDNN-packed weights, at the shapes of
+    the workload: one prefill over every prompt token, then ``max_new - 1`` decode steps of one row per sequence.
+    No attention, norms, sampling or bookkeeping: a lower bound on any system's time with these kernels, so
+    ``HF time / this time`` bounds the speed-up any engine can show over HF here."""
+    packed = llm.engine.runner.packed
+    if packed is None:
+        raise RuntimeError("the engine has no packed weights (not on a CPU, or cpu_packed_weights off)")
+    hidden = llm.engine.runner.model.config.hidden_size
+    rows = [sum(map(len, prompts))] + [len(prompts)] * (max_new - 1)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, hidden)
+            for qkv, o, gate_up, down in packed.layers:
+                qkv(x)
+                x = o.add_to(x, x)
+                h = gate_up(x)
+                x = down.add_to(h[:, : h.shape[1] // 2].contiguous(), x)
+            packed.lm_head(x[-len(prompts) :])
+    n = len(prompts) * max_new
+    return dict(time=time.perf_counter() - t0, cpu=time.process_time() - c0, n=n)
+
+
 def run_hf_continuous(hf, prompts: list[list[int]], max_new: int, pad_id: int) -> dict:
     """transformers' continuous batching manager (``generate_batch``'s engine), greedy, no EOS."""
     import transformers
@@ -215,6 +240,7 @@ def timed_rounds(args: argparse.Namespace, runs: dict) -> dict[str, dict]:
 
 
 SPINWHEEL, HF_STATIC, HF_CB = "spinwheel LLM.generate", "HF generate, static batching", "HF continuous batching"
+FLOOR = "projections alone (floor)"
 
 
 def section_generate(args: argparse.Namespace, ctx: Context) -> None:
@@ -247,6 +273,8 @@ def section_generate(args: argparse.Namespace, ctx: Context) -> None:
         SPINWHEEL: lambda: run_spinwheel(llm, prompts, args.max_new_tokens),
         HF_STATIC: lambda: run_hf_static(hf, prompts, args.max_new_tokens, args.hf_batch_size, pad_id),
     }
+    if not args.skip_floor:
+        runs[FLOOR] = lambda: run_linear_floor(llm, prompts, args.max_new_tokens)
     if not args.skip_hf_cb:
         runs[HF_CB] = lambda: run_hf_continuous(hf, prompts, args.max_new_tokens, pad_id)
     best = timed_rounds(args, runs)
@@ -260,6 +288,13 @@ def section_generate(args: argparse.Namespace, ctx: Context) -> None:
         f"  spinwheel: prompt tokens found in the prefix cache {sw['prefix_hits']:.0%} (the shared system prompt); "
         f"KV blocks ever written {touched} of {runner.num_blocks} = {touched * runner.block_bytes:,} bytes committed"
     )
+    if FLOOR in best and HF_STATIC in best:
+        floor, hf_time = best[FLOOR]["time"], best[HF_STATIC]["time"]
+        print(
+            f"  bound: HF static / projections alone = {hf_time / floor:.2f}x (no engine can beat HF by more with "
+            f"these GEMM kernels); spinwheel reaches {hf_time / sw['time']:.2f}x, its time "
+            f"{sw['time'] / floor:.2f}x the projections'"
+        )
     if HF_STATIC in best:
         agree = agreement(hf, prompts, sw["tokens"], best[HF_STATIC]["tokens"], args.tie_gap)
         print(f"\n== greedy agreement, spinwheel vs HF static batching ({args.max_new_tokens} tokens each) ==")
@@ -298,6 +333,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of HF generate")
+    ap.add_argument("--skip-floor", action="store_true", help="leave out the projections-alone lower bound")
     ap.add_argument("--skip-hf-cb", action="store_true", help="leave out transformers' continuous batching")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of spinwheel and HF static in turn (best kept)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="spinwheel without its prefix cache")
