@@ -1,0 +1,126 @@
+"""Four Tinker clients on one ``spinwheel tinker`` service vs four services, one client each.
+
+Each client runs ``--steps`` of forward_backward (``--batch`` copies of a ``--tokens``-token datum, cross_entropy) +
+optim_step through the official ``tinker`` SDK. "shared": one process holds the base once and serves all four clients
+(their forward_backward calls batched together); "separate": four processes, each its own copy of the base and one
+client. Printed: total steps/s and peak RSS (VmHWM, summed over the processes), side by side, and their ratios.
+
+    python benchmarks/tinker.py --model tiny
+    python benchmarks/tinker.py --model smollm2-135m-instruct --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+# This file's name is the SDK's: keep its folder off the import path so `import tinker` finds the SDK.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+
+def peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker(model: str, clients: int, steps: int, batch: int, tokens: int) -> dict:
+    """One service with ``clients`` SDK clients training concurrently; returns steps, seconds and peak RSS."""
+    os.environ.setdefault("TINKER_API_KEY", "tml-local")
+    import numpy as np
+    import tinker
+    from tinker import types
+
+    from spinwheel.tinker.serve import BackgroundTinker, TinkerConfig, build_service
+
+    svc = build_service(TinkerConfig(model=model, run_dir=tempfile.mkdtemp(prefix="tinker-bench-")))
+    with BackgroundTinker(svc) as bg:
+        sdk = tinker.ServiceClient(base_url=bg.url)
+        tcs = [sdk.create_lora_training_client(base_model=model, rank=8, seed=i).result() for i in range(clients)]
+        vocab = svc.model.config.vocab_size
+        rng = np.random.default_rng(0)
+
+        def train(tc) -> None:
+            ids = rng.integers(4, min(vocab, 1000), tokens + 1)
+            d = types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
+                loss_fn_inputs={"target_tokens": ids[1:].astype(np.int64), "weights": np.ones(tokens, np.float32)},
+            )
+            for _ in range(steps):
+                fb = tc.forward_backward([d] * batch, "cross_entropy")
+                tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+                fb.result()
+
+        train(tcs[0])  # warm-up (one client's steps, not timed)
+        start = time.perf_counter()
+        threads = [threading.Thread(target=train, args=(tc,)) for tc in tcs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+        batches = svc.worker.batch_sizes[steps:]
+    return {
+        "steps": clients * steps,
+        "seconds": seconds,
+        "rss_mb": peak_rss_mb(),
+        "mean_batch": sum(batches) / max(1, len(batches)),
+    }
+
+
+def launch(args: argparse.Namespace, clients: int) -> subprocess.Popen:
+    argv = [sys.executable, __file__, "--worker", str(clients), "--model", args.model, "--steps", str(args.steps)]
+    argv += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+
+def collect(procs: list[subprocess.Popen]) -> list[dict]:
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"a benchmark worker failed (exit {p.returncode})")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.model, args.worker, args.steps, args.batch, args.tokens)), flush=True)
+        return
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    print(
+        f"model {args.model}, {args.clients} clients x {args.steps} steps of {args.batch} x {args.tokens} tokens, "
+        f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, load {load}"
+    )
+    (shared,) = collect([launch(args, args.clients)])
+    separate = collect([launch(args, 1) for _ in range(args.clients)])
+    sep_rate = sum(r["steps"] for r in separate) / max(r["seconds"] for r in separate)
+    sep_rss = sum(r["rss_mb"] for r in separate)
+    rate = shared["steps"] / shared["seconds"]
+    print(f"{'':24}{'steps/s':>10}{'peak RSS MB':>14}")
+    print(f"{'one service, shared':24}{rate:10.2f}{shared['rss_mb']:14.0f}   (mean batch {shared['mean_batch']:.2f})")
+    print(f"{'separate processes':24}{sep_rate:10.2f}{sep_rss:14.0f}")
+    print(f"ratio shared / separate: steps/s {rate / sep_rate:.2f}x, peak RSS {shared['rss_mb'] / sep_rss:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
