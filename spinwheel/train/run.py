@@ -123,6 +123,8 @@ class Run:
         self.logger: MetricsLogger | None = None
         self.last_saved: int | None = None
         self._stop: StopOnSignal | None = None
+        self.reached: int | None = None  # the step whose evaluation met train()'s ``until``
+        self._reached_eval: Any = None
 
     def stop_requested(self) -> bool:
         """Whether SIGINT / SIGTERM arrived during this run's steps (for waits in user code, e.g. reward calls)."""
@@ -197,6 +199,8 @@ class Run:
     @property
     def end_step(self) -> int:
         c = self.config
+        if self.reached is not None:
+            return self.reached
         return c.steps if c.stop_after is None else min(c.steps, self.start_step + c.stop_after)
 
     def open_log(self, is_main: bool) -> None:
@@ -236,17 +240,28 @@ class Run:
         )
         return f"step {step}: {what}; the run stopped without saving: {kept}"
 
-    def train(self, job: Job, curves: list[tuple[str, str]], title: str, postfix: Callable | None = None) -> dict:
+    def train(
+        self,
+        job: Job,
+        curves: list[tuple[str, str]],
+        title: str,
+        postfix: Callable | None = None,
+        until: Callable[[Any], bool] | None = None,
+    ) -> dict:
         """Steps ``start_step`` .. :attr:`end_step` of ``job`` with evaluation before (a new run) and after (a
         finished one); returns ``start_step``, ``end_step``, ``history``, ``checkpoint``, ``eval_before``,
-        ``eval_after`` (what :meth:`Job.evaluate` returned)."""
+        ``eval_after`` (what :meth:`Job.evaluate` returned). ``until``: a test of a periodic evaluation's figures;
+        the first one that passes it ends the run there (saved; that evaluation is ``eval_after``), which makes a
+        stage's end a level reached rather than a step count that rounding can land anywhere on the curve."""
         result: dict[str, Any] = {"start_step": self.start_step}
         if not self.resumed and (ev := job.evaluate(0)) is not None:
             result["eval_before"] = ev
-        history = self._loop(job, postfix)
+        history = self._loop(job, postfix, until)
         self.save(job, self.end_step)
         result.update(history=history, end_step=self.end_step, checkpoint=str(self.ckpt_dir))
-        if self.end_step == self.config.steps and (ev := job.evaluate(self.end_step)) is not None:
+        if self.reached is not None:
+            result.update(eval_after=self._reached_eval, reached=self.reached)
+        elif self.end_step == self.config.steps and (ev := job.evaluate(self.end_step)) is not None:
             result["eval_after"] = ev
         if self.logger is not None:
             plot_curves(self.logger.read(), self.out_dir / "curves.png", curves, title=title)
@@ -265,7 +280,7 @@ class Run:
             mininterval=1.0 if sys.stderr.isatty() else 10.0,
         )
 
-    def _loop(self, job: Job, postfix: Callable | None) -> list[dict[str, Any]]:
+    def _loop(self, job: Job, postfix: Callable | None, until: Callable[[Any], bool] | None) -> list[dict[str, Any]]:
         c, end = self.config, self.end_step
         history: list[dict[str, Any]] = []
         bar = self.progress_bar(job.learner.is_main)
@@ -298,6 +313,9 @@ class Run:
                 if c.eval_every and done % c.eval_every == 0 and done < c.steps:
                     if (ev := job.evaluate(done)) is not None:
                         bar.write(f"step {done}: {describe(ev, getattr(job, 'eval_label', 'exact match'))}")
+                    if until is not None and any_rank(ev is not None and until(ev), self.distributed):
+                        self.reached, self._reached_eval = done, ev  # every rank ends here; rank 0 holds ev
+                        break
                 if c.save_every and done % c.save_every == 0 and done < end:
                     self.save(job, done)
         bar.close()

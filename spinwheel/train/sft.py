@@ -47,7 +47,12 @@ OnEval = Callable[[int, dict[str, Any]], None]
 RESUME_HARMLESS = OBSERVATION_OPTIONS | {"max_new_tokens", "eval_engine"}  # SFT generates only to evaluate
 
 
-def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool = False) -> dict[str, Any]:
+def train_sft(
+    config: SFTConfig,
+    on_eval: OnEval | None = None,
+    announce: bool = False,
+    until: Callable[[dict[str, Any]], bool] | None = None,
+) -> dict[str, Any]:
     """Run SFT as configured; returns the final metrics (``eval_before``, ``eval_after``, ``losses``, ...).
 
     Under ``torchrun`` with more than one process this trains on the parallel trainer (``config.parallel``);
@@ -67,13 +72,18 @@ def train_sft(config: SFTConfig, on_eval: OnEval | None = None, announce: bool =
                 return ParallelLearner(model, optim, config.parallel, dims, engine_copy="main")
             return LocalLearner(model, optim)
 
-        return run_sft(config, make_learner, on_eval, announce)
+        return run_sft(config, make_learner, on_eval, announce, until)
 
 
 def run_sft(
-    config: SFTConfig, make_learner: Callable[[Any], Learner], on_eval: OnEval | None = None, announce: bool = False
+    config: SFTConfig,
+    make_learner: Callable[[Any], Learner],
+    on_eval: OnEval | None = None,
+    announce: bool = False,
+    until: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
-    """The SFT run over the learner ``make_learner(model)`` builds (see :func:`train_sft`), on the harness."""
+    """The SFT run over the learner ``make_learner(model)`` builds (see :func:`train_sft`), on the harness;
+    ``until``: a test of a periodic evaluation's figures that ends the run there (:meth:`Run.train`)."""
     from spinwheel.parallel.launch import launched_world_size
 
     with Run(config, launched_world_size() > 1, "sft", RESUME_HARMLESS) as run:
@@ -85,6 +95,7 @@ def run_sft(
             [("loss", "train loss (completion tokens)"), ("eval_exact_match", "held-out exact match")],
             f"SFT {config.model}",
             lambda r: {"loss": f"{r['loss']:.4f}", "lr": f"{r['lr']:.2e}"},
+            until,
         )
         result["losses"] = [r["loss"] for r in result["history"]]
         if announce and job.learner.is_main:
