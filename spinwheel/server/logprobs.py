@@ -3,12 +3,25 @@ completions object (parallel lists, also for the echoed prompt), the chat ``cont
 ``prompt_logprobs`` (per prompt position ``{token id: {"logprob", "rank", "decoded_token"}}``, None for the first).
 
 The engine gives per position ``{token_id: logprob}``: the top k it was asked for plus the token itself (which may
-rank below them); None where there is no distribution (a prompt's first token).
+rank below them); None where there is no distribution (a prompt's first token). A log-prob that is not a finite
+number (a broken model's NaN, a token masked to -inf) is sent as JSON can carry it (:func:`wire`): -inf as vLLM's
+-9999.0, NaN as null, so no response holds ``NaN`` or ``Infinity``, which JSON does not have.
 """
 
 from __future__ import annotations
 
+import math
+
 from spinwheel.models.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # what -inf is sent as (vLLM's floor)
+
+
+def wire(logprob: float | None) -> float | None:
+    """A log-prob as JSON carries it: finite ones as they are, -inf as :data:`MIN_LOGPROB`, NaN (and +inf) as None."""
+    if logprob is None or math.isfinite(logprob):
+        return logprob
+    return MIN_LOGPROB if logprob < 0 else None
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -45,10 +58,10 @@ def completion_logprobs(
             token_lps.append(None)
             tops.append(None)
             continue
-        token_lps.append(lp.get(t))
+        token_lps.append(wire(lp.get(t)))
         best = {token_text(tokenizer, i): v for i, v in top(lp, k)}
         best.setdefault(s, lp[t])
-        tops.append(dict(sorted(best.items(), key=lambda kv: -kv[1])))
+        tops.append({text: wire(v) for text, v in sorted(best.items(), key=lambda kv: -kv[1])})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -71,9 +84,9 @@ def prompt_logprobs(
         if lp is None:
             out.append(None)
             continue
-        entry = {str(token): {"logprob": lp[token], "rank": rank, "decoded_token": token_text(tokenizer, token)}}
+        entry = {str(token): {"logprob": wire(lp[token]), "rank": rank, "decoded_token": token_text(tokenizer, token)}}
         for r, (t, v) in enumerate(top(lp, k)):
-            entry.setdefault(str(t), {"logprob": v, "rank": r + 1, "decoded_token": token_text(tokenizer, t)})
+            entry.setdefault(str(t), {"logprob": wire(v), "rank": r + 1, "decoded_token": token_text(tokenizer, t)})
         out.append(entry)
     return out
 
@@ -86,10 +99,10 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dic
         content.append(
             {
                 "token": s,
-                "logprob": lp.get(t),
+                "logprob": wire(lp.get(t)),
                 "bytes": list(s.encode()),
                 "top_logprobs": [
-                    {"token": token_text(tokenizer, i), "logprob": v, "bytes": list(token_text(tokenizer, i).encode())}
+                    {"token": (text := token_text(tokenizer, i)), "logprob": wire(v), "bytes": list(text.encode())}
                     for i, v in top(lp, k)
                 ],
             }

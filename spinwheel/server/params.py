@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from spinwheel.engine import RequestOutput, SamplingParams
 from spinwheel.engine.sampling_params import SamplingParamsError
-from spinwheel.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from spinwheel.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, shown
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -43,7 +43,7 @@ class ServedModel:
         adapters = " and the LoRA adapters " + ", ".join(f"'{n}'" for n in self.loras) if self.loras else ""
         raise APIError(
             404,
-            f"the model '{model}' does not exist; this server serves '{self.name}'{adapters}",
+            f"the model '{shown(model)}' does not exist; this server serves '{self.name}'{adapters}",
             type="not_found_error",
             param="model",
             code="model_not_found",
@@ -115,7 +115,8 @@ class ServedModel:
             try:
                 token = int(key)
             except ValueError:
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+                message = f"logit_bias keys must be token ids, got {shown(key)!r}"
+                raise APIError(400, message, param="logit_bias") from None
             bias[token] = value
         self.check_token_ids(list(bias), "logit_bias", what="logit_bias token id")
         return bias

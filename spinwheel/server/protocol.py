@@ -32,8 +32,18 @@ MAX_STOP = 16
 MAX_MESSAGES = 4096
 
 
+MAX_ERROR_CHARS = 1000  # an error's message (and param) at most: what a client sent is never echoed whole
+
+
+def shown(value: object, limit: int = 100) -> str:
+    """A value the client sent, as an error message quotes it: its first ``limit`` characters, then "…"."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 class APIError(Exception):
-    """An error answered with an OpenAI-style body and an HTTP status."""
+    """An error answered with an OpenAI-style body and an HTTP status; a message or param longer than
+    :data:`MAX_ERROR_CHARS` (one that quotes the request: a validation error's path through its keys) is cut there."""
 
     def __init__(
         self,
@@ -43,6 +53,8 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message = shown(message, MAX_ERROR_CHARS)
+        param = None if param is None else shown(param, MAX_ERROR_CHARS)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
