@@ -92,6 +92,8 @@ class LoRAConfig:
             raise LoRAError(f"LoRA rank must be a positive integer, got {self.rank!r}: set --lora-rank to e.g. 8")
         if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
             raise LoRAError(f"LoRA alpha must be a positive number, got {self.alpha!r}: set --lora-alpha to e.g. 16")
+        if not self.alpha <= torch.finfo(torch.float32).max:  # the scale s = alpha / r multiplies float32 outputs
+            raise LoRAError(f"LoRA alpha {self.alpha:g} is past float32's range (3.4e38): set --lora-alpha to e.g. 16")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise LoRAError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}: set --lora-dropout to e.g. 0.05")
         self.targets = parse_targets(self.targets)

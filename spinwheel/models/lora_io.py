@@ -4,7 +4,8 @@ What ``peft`` writes for a Llama-family model, and what :func:`save_adapter` wri
 
 * ``adapter_config.json``: ``peft_type`` "LORA", ``task_type`` "CAUSAL_LM", ``r``, ``lora_alpha``, ``lora_dropout``,
   ``target_modules`` as HF module names (``q_proj`` ... ``down_proj``), ``bias`` "none", ``fan_in_fan_out`` false and
-  ``base_model_name_or_path`` naming the base (a checkpoint directory, Hub id or preset);
+  ``base_model_name_or_path`` naming the base (a checkpoint directory, stored as an absolute path so that the adapter
+  loads from anywhere; a Hub id or preset as it is);
 * ``adapter_model.safetensors``: ``base_model.model.`` + the HF name of each factor, e.g.
   ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (r, in) and ``...lora_B.weight`` (out, r).
   spinwheel adds the base's shape-defining config keys to the file's metadata (which ``peft`` ignores), so an
@@ -84,6 +85,8 @@ def save_adapter(model: Transformer, path: str | os.PathLike, base_model_name_or
     base_model_name_or_path = base_model_name_or_path or config.base_model_name_or_path
     if not base_model_name_or_path:
         raise LoRAError("name the adapters' base model (base_model_name_or_path) to save them: their files must say it")
+    if Path(base_model_name_or_path).exists():  # a local path, stored absolute: the adapter loads from anywhere
+        base_model_name_or_path = str(Path(base_model_name_or_path).resolve())
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     peft_config = {
@@ -209,6 +212,9 @@ def read_adapter(model: Transformer, path: str | os.PathLike) -> tuple[LoRAConfi
     with open_safetensors(str(where)) as sf:
         _check_fits(model, sf, expected, where, config.base_model_name_or_path or "")
         tensors = {our_name(key[len(PEFT_PREFIX) :]): sf.get_tensor(key) for key in expected}
+    for key, tensor in zip(expected, tensors.values()):
+        if not torch.isfinite(tensor).all():
+            raise LoRAError(f"{where}: tensor '{key}' holds non-finite values (NaN or inf): the adapter is broken")
     return config, tensors
 
 
