@@ -21,7 +21,7 @@ from spinwheel.tinker.service import fail
 from spinwheel.tinker.wire import decode_forward_backward
 
 PROTOBUF = "application/x-protobuf"
-POLL_SECONDS = 10.0  # how long one retrieve_future waits for a result before answering try_again
+POLL_SECONDS = 30.0  # how long one retrieve_future waits before answering try_again (the SDK waits 45 s)
 
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
