@@ -3,7 +3,8 @@ engine, model and mixed-length workload run twice in one process — ``kv_alloca
 them) and ``kv_allocation="reserved"`` (every block of prompt + max_tokens taken at admission,
 :mod:`spinwheel.engine.reservation`) — and the ratios printed.
 
-Prints for each mode: the largest and mean batch (sequences per iteration), iterations, preemptions, the KV slots
+Modes: paged with recompute preemption (the engine's default), paged with swap preemption, reserved. Prints for
+each: the largest and mean batch (sequences per iteration), iterations, preemptions, the KV slots
 held per slot filled (reservation's waste) and output tokens/s; then paged/reserved ratios. Requests decode exactly
 ``max_tokens`` tokens (greedy, EOS ignored): the reservation is Orca's "Oracle" case, its most favourable one, so the
 measured gain is a lower bound of what a workload whose outputs stop early would show.
@@ -50,7 +51,11 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return [([rng.randrange(3, 250) for _ in range(p)], g) for p, g in lengths]
 
 
-def run(model: Transformer, args: argparse.Namespace, requests, allocation: str) -> dict:
+MODES = {"paged": ("paged", "recompute"), "paged-swap": ("paged", "swap"), "reserved": ("reserved", "recompute")}
+
+
+def run(model: Transformer, args: argparse.Namespace, requests, mode: str) -> dict:
+    allocation, preemption = MODES[mode]
     config = EngineConfig(
         block_size=args.block_size,
         num_kv_blocks=args.kv_blocks,
@@ -58,6 +63,8 @@ def run(model: Transformer, args: argparse.Namespace, requests, allocation: str)
         max_num_seqs=256,
         max_num_batched_tokens=4096,
         kv_allocation=allocation,
+        preemption_mode=preemption,
+        num_cpu_blocks=args.kv_blocks if preemption == "swap" else None,
     )
     engine = LLMEngine(model, None, config)
     for i, (prompt, g) in enumerate(requests):
@@ -102,25 +109,28 @@ def main() -> None:
         f"{args.kv_blocks} blocks of {args.block_size} tokens, {args.threads} threads"
     )
     run(model, args, requests[:4], "paged")  # warm-up: kernels and thread pools, outside the timings
-    # Each mode twice, in the order paged, reserved, reserved, paged; the faster run of each counts (load only slows).
+    # Each mode twice, the second round in reverse order; the faster run of each counts (load only slows).
     res: dict[str, dict] = {}
-    for mode in ("paged", "reserved", "reserved", "paged"):
+    for mode in [*MODES, *reversed(MODES)]:
         r = run(model, args, requests, mode)
         if mode not in res or r["tokens_per_s"] > res[mode]["tokens_per_s"]:
             res[mode] = r
     head = ("mode", "peak batch", "mean batch", "iters", "preempt", "held/filled", "tok/s")
-    print("{:<9} {:>10} {:>10} {:>6} {:>7} {:>11} {:>8}".format(*head))
+    print("{:<11} {:>10} {:>10} {:>6} {:>7} {:>11} {:>8}".format(*head))
     for mode, r in res.items():
         print(
-            f"{mode:<9} {r['peak']:>10} {r['mean']:>10.1f} {r['iterations']:>6} {r['preemptions']:>7} "
+            f"{mode:<11} {r['peak']:>10} {r['mean']:>10.1f} {r['iterations']:>6} {r['preemptions']:>7} "
             f"{r['held_per_filled']:>11.2f} {r['tokens_per_s']:>8.0f}"
         )
-    p, r = res["paged"], res["reserved"]
-    assert p["tokens"] == r["tokens"]
-    print(
-        f"paged / reserved: peak batch {p['peak'] / r['peak']:.2f}x, mean batch {p['mean'] / r['mean']:.2f}x, "
-        f"iterations {p['iterations'] / r['iterations']:.2f}x, throughput {p['tokens_per_s'] / r['tokens_per_s']:.2f}x"
-    )
+    r = res["reserved"]
+    for mode in ("paged", "paged-swap"):
+        p = res[mode]
+        assert p["tokens"] == r["tokens"]
+        print(
+            f"{mode} / reserved: peak batch {p['peak'] / r['peak']:.2f}x, mean batch {p['mean'] / r['mean']:.2f}x, "
+            f"iterations {p['iterations'] / r['iterations']:.2f}x, throughput "
+            f"{p['tokens_per_s'] / r['tokens_per_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":
