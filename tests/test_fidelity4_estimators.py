@@ -60,7 +60,7 @@ def test_reward_to_go_and_total_return_have_the_same_mean(estimates):
 def test_reward_to_go_has_lower_variance(estimates):
     ratio = (estimates["rtg"].var() / estimates["total"].var()).item()
     # the F test's 4-sigma band for 40 000 samples is ±3%: 0.9 is far outside it
-    assert ratio < 0.9, ratio
+    assert ratio < 0.6, ratio  # measured: 0.45
 
 
 def _batch(model: Transformer, vocab: int) -> dict[str, torch.Tensor]:
