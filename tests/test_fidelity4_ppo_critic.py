@@ -47,6 +47,7 @@ def ppo_run(tmp_path_factory) -> tuple[list[float], list[float]]:
     return losses, seen
 
 
+@pytest.mark.slow
 def test_value_loss_falls(ppo_run):
     losses, _ = ppo_run
     assert len(losses) == STEPS
@@ -54,6 +55,7 @@ def test_value_loss_falls(ppo_run):
     assert last < 0.2 * first, losses  # measured: 0.92 -> 0.026
 
 
+@pytest.mark.slow
 def test_explained_variance_rises(ppo_run):
     _, ev = ppo_run
     assert len(ev) == STEPS and all(torch.isfinite(torch.tensor(ev)))
