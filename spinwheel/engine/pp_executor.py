@@ -203,7 +203,7 @@ def stage_main(
     """A stage process: join the group, build this stage's model (its own copy of its tensors) and runner, then
     run each iteration the driver sends until ``stop`` or until the driver is gone (its end of the pipe closed)."""
     flush = engine_config.flush_denormal
-    device = join_engine_group(stage, pp, init_method, "gloo", device_type == "cuda", timeout_s, flush)
+    device = join_engine_group(stage, pp, init_method, "gloo", device_type == "cuda", timeout_s, flush, conn)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         state = {k: v.to(device, copy=True) for k, v in box.pop().items()}

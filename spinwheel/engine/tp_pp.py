@@ -233,7 +233,7 @@ def rank_main(
     """A rank other than the driver: join the world and the stages' groups, build its stage's TP shard and runner,
     then run each iteration the driver sends until ``stop`` or until the driver is gone."""
     world, flush = tp * pp, engine_config.flush_denormal
-    device = join_engine_group(rank, world, init_method, "gloo", device_type == "cuda", timeout_s, flush)
+    device = join_engine_group(rank, world, init_method, "gloo", device_type == "cuda", timeout_s, flush, conn)
     try:
         groups = stage_groups(tp, pp, "nccl" if device_type == "cuda" else "gloo", timeout_s)
         axis, comm, stage = tp_axis(rank, tp, groups), Comm(timeout_s), rank // tp

@@ -240,7 +240,7 @@ def worker_main(
     from spinwheel.engine.workers import driver_steps, join_engine_group
 
     flush = engine_config.flush_denormal
-    device = join_engine_group(rank, world, init_method, backend, backend == "nccl", timeout_s, flush)
+    device = join_engine_group(rank, world, init_method, backend, backend == "nccl", timeout_s, flush, conn)
     try:
         axis, comm = Axis("tp", tuple(range(world)), rank, dist.group.WORLD), Comm(timeout_s)
         runner = TPModelRunner(

@@ -3,7 +3,15 @@
 fed and stopped alike. Ranks 1 … N − 1 are spawned from multiprocessing's fork server, each with a pipe whose far
 end lives in that process only (the driver's death closes it, which ends the worker); every message to them is one
 pickle sent to all; one that exited is noticed before each send and when a collective or transfer fails, and the
-engine then raises an error naming it; :meth:`WorkerProcesses.close` stops them, killing what does not stop."""
+engine then raises an error naming it; :meth:`WorkerProcesses.close` stops them, killing what does not stop.
+
+Start-up is watched, not waited out: a worker says it is about to join the process group (:data:`JOINING`) before
+the driver joins it, and the driver waits for that and for each worker's first message on the pipes and on the
+processes' sentinels together, so a worker that fails (its exception sent as one line, :class:`WorkerFailed`) or
+exits is reported at once, not after the rendezvous' timeout. A worker imports the script that started the engine
+(multiprocessing's rule); a script without the ``if __name__ == '__main__':`` guard would start an engine again
+there: the worker exits with :data:`NO_MAIN_GUARD_EXIT` instead, and the driver's error says how to fix the
+script."""
 
 from __future__ import annotations
 
@@ -12,13 +20,41 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import sys
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from spinwheel.parallel.launch import free_port
+from spinwheel.user_code import one_line
+
+JOINING = "joining"  # a worker's first message: its start-up went well and it joins the process group now
+NO_MAIN_GUARD_EXIT = 86  # the exit status of a worker in which the main script started an engine again
+
+
+@dataclass
+class WorkerFailed:
+    """What a worker sends its driver when it fails: its exception on one line (``Type: message``)."""
+
+    error: str
+
+
+def run_worker(target: Callable[..., None], *args: Any) -> None:
+    """In a worker: ``target(*args)`` (``args[5]`` its pipe); an exception goes to the driver as
+    :class:`WorkerFailed`, and the worker exits with status 1 (its traceback printed only if the driver is gone)."""
+    try:
+        target(*args)
+    except Exception as e:
+        try:
+            args[5].send(WorkerFailed(one_line(e)))
+        except (OSError, ValueError):
+            raise e from None
+        sys.exit(1)
 
 
 class TensorParallelError(RuntimeError):
@@ -58,6 +94,8 @@ class WorkerProcesses:
 
     def __init__(self, world: int, timeout_s: float) -> None:
         """A driver of ``world`` ranks (itself included) whose every start-up wait lasts at most ``timeout_s``."""
+        if getattr(mp.current_process(), "_inheriting", False):  # a worker importing an unguarded main script
+            os._exit(NO_MAIN_GUARD_EXIT)
         if dist.is_initialized():
             raise RuntimeError(
                 f"{self.degree} > 1 starts its own process group, and this process has one already "
@@ -75,7 +113,8 @@ class WorkerProcesses:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(self.preload)
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=target, args=(*args[:5], child, *args[5:]), daemon=True, name=f"{name}-{rank}")
+        args = (target, *args[:5], child, *args[5:])
+        proc = ctx.Process(target=run_worker, args=args, daemon=True, name=f"{name}-{rank}")
         with may_have_children():
             proc.start()
         child.close()  # the worker's end lives in the worker only: the driver's death closes the pipe
@@ -83,29 +122,67 @@ class WorkerProcesses:
         self.conns.append(parent)
 
     def join(self, backend: str) -> None:
-        """Join the workers' process group as rank 0; one that never joins (it died, or could not start in time)
-        closes the engine and raises ``error_class``."""
+        """Join the workers' process group as rank 0, once every worker is joining it (:meth:`next_messages`); one
+        that fails or exits first, or never joins, closes the engine and raises ``error_class``."""
+        self.next_messages("start")
         try:
             dist.init_process_group(
                 backend, init_method=self.init_method, rank=0, world_size=self.world, timeout=self.timeout
             )
         except Exception as e:
-            self.failure = (
-                self.dead() or f"a {self.kind} did not join within {self.timeout_s:.0f}s ({type(e).__name__})"
-            )
-            self.close()
-            raise self.error_class(self.failure) from e
+            self.fail(self.dead() or f"a {self.kind} did not join within {self.timeout_s:.0f}s ({one_line(e)})")
 
     def started(self) -> list[Any]:
         """The first message of each worker (the executors': its memory), once it has built its part of the model;
         one that sends none within ``timeout_s`` closes the engine and raises ``error_class``."""
-        firsts = []
-        for rank, conn in enumerate(self.conns, 1):
-            if not conn.poll(self.timeout_s):
-                self.close()
-                raise self.error_class(f"{self.kind} {rank} did not start within {self.timeout_s:.0f}s")
-            firsts.append(conn.recv())
-        return firsts
+        return self.next_messages("start")
+
+    def next_messages(self, what: str) -> list[Any]:
+        """Each worker's next message, in rank order, waiting on the pipes and the processes together: a worker that
+        fails (:class:`WorkerFailed`) or exits meanwhile, or sends nothing within ``timeout_s`` (it did not
+        ``what``), closes the engine and raises ``error_class`` at once, in one line."""
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < len(self.conns):
+            waiting = {r: (c, p) for r, (c, p) in enumerate(zip(self.conns, self.procs), 1) if r not in got}
+            handles = [h for c, p in waiting.values() for h in (c, p.sentinel)]
+            ready = wait(handles, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.fail(f"{self.kind} {min(waiting)} did not {what} within {self.timeout_s:.0f}s")
+            for rank, (conn, proc) in waiting.items():
+                if conn in ready or (proc.sentinel in ready and conn.poll()):
+                    got[rank] = self.receive(rank, conn, proc)
+                elif proc.sentinel in ready:
+                    self.fail(self.exited(rank, proc))
+        return [got[r] for r in sorted(got)]
+
+    def receive(self, rank: int, conn: Any, proc: Any) -> Any:
+        """One message from worker ``rank``; its failure or its exit instead raises (:meth:`fail`)."""
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            self.fail(self.exited(rank, proc))
+        if isinstance(message, WorkerFailed):
+            self.fail(f"{self.kind} {rank} failed: {message.error}")
+        return message
+
+    def exited(self, rank: int, proc: Any) -> str:
+        """Why worker ``rank``, which exited, is gone (its status; for :data:`NO_MAIN_GUARD_EXIT`, the fix)."""
+        proc.join(1.0)
+        if proc.exitcode == NO_MAIN_GUARD_EXIT:
+            script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+            return (
+                f"{self.kind} {rank} could not start: it imported {script}, which started a {self.engine} again "
+                f"(worker processes import the main script): start the engine under "
+                "`if __name__ == '__main__':` in it"
+            )
+        return f"{self.kind} {rank} (pid {proc.pid}) exited with code {proc.exitcode} while the engine started"
+
+    def fail(self, failure: str) -> NoReturn:
+        """Close the engine and raise ``error_class`` with ``failure`` (one line, no chained error)."""
+        self.failure = failure
+        self.close()
+        raise self.error_class(failure) from None
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the workers: :meth:`stop_workers` with the subclass's stop message."""
@@ -113,8 +190,12 @@ class WorkerProcesses:
 
     def dead(self) -> str | None:
         """Which worker exited, if one did."""
-        for rank, proc in enumerate(self.procs, 1):
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             if proc.exitcode is not None:
+                with contextlib.suppress(EOFError, OSError):
+                    while conn.poll():  # its last word, if it failed
+                        if isinstance(message := conn.recv(), WorkerFailed):
+                            return f"{self.kind} {rank} (pid {proc.pid}) failed: {message.error}"
                 return f"{self.kind} {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
 
@@ -165,10 +246,18 @@ class WorkerProcesses:
 
 
 def join_engine_group(
-    rank: int, world: int, init_method: str, backend: str, on_gpu: bool, timeout_s: float, flush_denormal: bool
+    rank: int,
+    world: int,
+    init_method: str,
+    backend: str,
+    on_gpu: bool,
+    timeout_s: float,
+    flush_denormal: bool,
+    conn: Any,
 ) -> torch.device:
     """In a worker: its device (GPU ``rank`` with ``on_gpu``), its share of the CPU threads and the engine's
-    denormal setting; then join the driver's process group. Returns the device."""
+    denormal setting; then tell the driver (:data:`JOINING`, on ``conn``) and join its process group. Returns the
+    device."""
     device = torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(rank)
@@ -176,6 +265,7 @@ def join_engine_group(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.set_flush_denormal(flush_denormal)
     timeout = datetime.timedelta(seconds=timeout_s)
+    conn.send(JOINING)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     return device
 
