@@ -2,8 +2,10 @@
 
 Orca (Yu et al., OSDI 2022) has no paging: when it admits a request it reserves KV slots for the longest sequence
 the request may become — prompt + ``max_tokens`` — and keeps them until the request finishes (Kwon et al., SOSP
-2023, §3 and Fig. 2: the reserved future slots and internal fragmentation are the waste PagedAttention removes;
-their "Orca (Oracle)" is this with ``max_tokens`` equal to the real output length, the most favourable case).
+2023, §3 and Fig. 3: the reserved future slots and internal fragmentation are the waste PagedAttention removes;
+§6.1: their "Orca (Oracle)" is this with ``max_tokens`` equal to the real output length, the most favourable case).
+Here the reservation is made of the pool's blocks: up to b − 1 slots more than an exact reservation, but none of the
+external fragmentation contiguous chunks would add — so what paging gains over it is, if anything, understated.
 
 :class:`ReservedAdmission` is that allocator on top of the block manager: a request is admitted only when blocks
 for all of its ``prompt + max_tokens`` tokens are free, and its block table gets them all at once; decoding then
