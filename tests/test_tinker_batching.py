@@ -87,6 +87,67 @@ def test_four_clients_in_one_batch_equal_each_alone(svc):
         assert loss == pytest.approx(expected, rel=1e-5)
 
 
+def _clients_with_grads(trainer, prefix: str) -> list:
+    """Four clients (ranks 2..5) with the same seeded factors and gradients whatever the prefix."""
+    out = []
+    for i in range(4):
+        c = trainer.create(f"{prefix}{i}", LoRAConfig(rank=2 + i, alpha=16.0, targets=("q", "up")), seed=20 + i)
+        gen = torch.Generator().manual_seed(100 + i)
+        for p in c.params.values():
+            p.grad = torch.randn(p.shape, generator=gen) * (0.1 + i)
+        out.append(c)
+    return out
+
+
+def test_optim_steps_of_four_clients_in_one_fused_adamw_equal_each_alone_and_torch_adamw(svc):
+    from spinwheel.tinker.optim import AdamHP, adamw_steps
+
+    hps = [AdamHP(lr=1e-2), AdamHP(lr=1e-2), AdamHP(lr=3e-3, beta2=0.99, weight_decay=0.1), AdamHP(grad_clip_norm=0.5)]
+    together, alone = _clients_with_grads(svc.trainer, "t"), _clients_with_grads(svc.trainer, "a")
+    ref = {}  # torch.optim.AdamW on copies of the factors, as a plain LoRA step computes
+    for i, (c, hp) in enumerate(zip(alone, hps)):
+        params = {k: torch.nn.Parameter(p.detach().clone()) for k, p in c.params.items()}
+        opt = torch.optim.AdamW(params.values(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                                weight_decay=hp.weight_decay)  # fmt: skip
+        for _ in range(2):
+            for k, p in params.items():
+                p.grad = c.params[k].grad.clone()
+            if hp.grad_clip_norm:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), hp.grad_clip_norm)
+            opt.step()
+        ref[i] = params
+    for step in range(2):
+        grads_now = [{k: p.grad.clone() for k, p in c.params.items()} for c in alone]
+        batched = adamw_steps(list(zip(together, hps)))
+        each = [adamw_steps([(c, hp)])[0] for c, hp in zip(alone, hps)]
+        assert [m["grad_norm:mean"] for m in batched] == pytest.approx([m["grad_norm:mean"] for m in each], 1e-6)
+        for i, (a, b) in enumerate(zip(together, alone)):
+            assert a.num_steps == b.num_steps == step + 1 and all(p.grad is None for p in a.params.values())
+            for k in a.params:
+                torch.testing.assert_close(a.params[k].detach(), b.params[k].detach(), rtol=0, atol=1e-6)
+                a.params[k].grad, b.params[k].grad = grads_now[i][k].clone(), grads_now[i][k].clone()
+    for i, c in enumerate(alone):
+        for k, p in c.params.items():
+            torch.testing.assert_close(p.detach(), ref[i][k].detach(), rtol=0, atol=1e-6, msg=k)
+        state = c.optimizer.state_dict()["state"][0]  # torch's own AdamW state layout, as save_state writes it
+        assert float(state["step"]) == 2 and set(state) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_the_worker_runs_optim_steps_of_waiting_clients_together(svc):
+    from spinwheel.tinker.optim import AdamHP
+
+    clients = _clients_with_grads(svc.trainer, "w")
+    release = threading.Event()
+    svc.worker.submit("hold", Job(svc.store.create(), call=lambda: release.wait(30)))
+    rids = [svc.submit(c.client, optim=(c.client, AdamHP(lr=1e-3))) for c in clients]
+    rids.append(svc.submit("w9", optim=("w9", AdamHP())))  # an unknown client fails alone
+    release.set()
+    outcomes = [svc.store.poll(rid, 30) for rid in rids]
+    assert all(o is not None and o.error is None for o in outcomes[:4])
+    assert "no training client 'w9'" in outcomes[4].error and outcomes[4].category == "user"
+    assert 4 in svc.worker.optim_batch_sizes
+
+
 def datum(ids: list[int]) -> types.Datum:
     return types.Datum(
         model_input=types.ModelInput.from_ints(ids[:-1]),

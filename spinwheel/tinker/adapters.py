@@ -138,21 +138,6 @@ class ClientAdapter:
             for name, p in self.params.items():
                 p.copy_(tensors[name])
 
-    def step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, clip: float) -> dict:
-        """One AdamW step on the gradients accumulated since the last one (none: the step still counts, as
-        ``torch.optim.AdamW`` would count it with zero gradients); then the gradients are cleared."""
-        params = list(self.params.values())
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
-        for group in self.optimizer.param_groups:
-            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.num_steps += 1
-        return {"grad_norm:mean": float(norm), "learning_rate:mean": lr}
-
 
 @contextmanager
 def rows_of(train_rows: TrainRows, clients: list[str], seq_len: int, device: torch.device) -> Iterator[None]:

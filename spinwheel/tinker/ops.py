@@ -20,6 +20,7 @@ from spinwheel.tinker import checkpoints
 from spinwheel.tinker.adapters import targets_for
 from spinwheel.tinker.futures import FutureStore
 from spinwheel.tinker.losses import LossInputError
+from spinwheel.tinker.optim import AdamHP
 from spinwheel.tinker.sampler import Sampler, SamplingSession
 from spinwheel.tinker.service import Job, Worker
 from spinwheel.tinker.trainer import Trainer
@@ -103,14 +104,15 @@ class TinkerService:
     def optim_step(self, model_id: str, adam: dict) -> str:
         if adam.get("type", "adamw") not in ("adamw", "adam"):
             raise LossInputError(f"optimizer '{adam.get('type')}' is not implemented here: use AdamParams")
-        lr, wd = float(adam.get("learning_rate", 1e-4)), float(adam.get("weight_decay", 0.0))
-        betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-        eps, clip = float(adam.get("eps", 1e-12)), float(adam.get("grad_clip_norm", 0.0))
-
-        def run() -> dict:
-            return {"metrics": self.trainer.client(model_id).step(lr, betas, eps, wd, clip)}
-
-        return self.submit(model_id, call=run)
+        hp = AdamHP(
+            lr=float(adam.get("learning_rate", 1e-4)),
+            beta1=float(adam.get("beta1", 0.9)),
+            beta2=float(adam.get("beta2", 0.95)),
+            eps=float(adam.get("eps", 1e-12)),
+            weight_decay=float(adam.get("weight_decay", 0.0)),
+            grad_clip_norm=float(adam.get("grad_clip_norm", 0.0)),
+        )
+        return self.submit(model_id, optim=(model_id, hp))
 
     def save(self, model_id: str, name: str | None, kind: str, optimizer: bool) -> str:
         def run() -> dict:

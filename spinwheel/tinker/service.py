@@ -4,7 +4,8 @@ each training client's requests in the order it sent them while batching differe
 Each training client (model id) has a FIFO of jobs; sampling requests have their own. One round of the worker takes
 the head job of every client: all heads that are ``forward_backward`` run as one batch (one forward and one backward
 over every client's rows, :meth:`~spinwheel.tinker.trainer.Trainer.forward_backward`), ``forward`` heads as another
-batch without gradients, and the other heads (``optim_step``, saves, loads) one by one; then every pending sampling
+batch without gradients, ``optim_step`` heads as one fused AdamW over their clients' adapters
+(:mod:`~spinwheel.tinker.optim`), and the other heads (saves, loads) one by one; then every pending sampling
 request runs in the engine together. A job's exception fails its future alone (one request, one failure): the
 request's own fault (bad shapes, an unknown loss, token ids outside the vocabulary, a missing checkpoint) with
 category ``user``, anything else ``server``; the worker goes on.
@@ -23,6 +24,7 @@ from spinwheel.models.lora import LoRAError
 from spinwheel.tinker.checkpoints import CheckpointPathError
 from spinwheel.tinker.futures import FutureStore
 from spinwheel.tinker.losses import LossInputError
+from spinwheel.tinker.optim import AdamHP, adamw_steps
 from spinwheel.tinker.sampler import Sampler
 from spinwheel.tinker.trainer import Trainer, UnknownModelError
 from spinwheel.tinker.wire import FwdBwdRequest, encode_forward_backward
@@ -37,6 +39,7 @@ class Job:
     fwdbwd: FwdBwdRequest | None = None  # a forward / forward_backward request
     call: Callable[[], Any] | None = None  # anything else: its result is the future's value
     sample: tuple[str, dict] | None = None  # (sampling session id, SampleRequest)
+    optim: tuple[str, AdamHP] | None = None  # (model id, Adam parameters): optim_step, batched across clients
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Worker:
         self._stop = False
         self.num_batches = 0  # forward_backward batches run (tests check that clients were batched)
         self.batch_sizes: list[int] = []
+        self.optim_batch_sizes: list[int] = []  # optim_steps run together, per fused step
         self._thread = threading.Thread(target=self._run, name="tinker-worker", daemon=True)
         self._thread.start()
 
@@ -97,6 +101,9 @@ class Worker:
                 batch = [j for j in heads if j.fwdbwd is not None and j.fwdbwd.forward_only == forward_only]
                 if batch:
                     self._fwdbwd(batch, backward=not forward_only)
+            steps = [j for j in heads if j.optim is not None]
+            if steps:
+                self._optim(steps)
             for job in heads:
                 if job.call is not None:
                     self._call(job)
@@ -108,6 +115,25 @@ class Worker:
             self.store.set_result(job.rid, job.call())  # type: ignore[misc]
         except Exception as e:
             fail(self.store, job.rid, e)
+
+    def _optim(self, jobs: list[Job]) -> None:
+        """Every client's optim_step of this round in one fused AdamW (each client at most once per round)."""
+        ok, requests = [], []
+        for job in jobs:
+            try:
+                requests.append((self.trainer.client(job.optim[0]), job.optim[1]))  # type: ignore[index]
+                ok.append(job)
+            except Exception as e:
+                fail(self.store, job.rid, e)
+        try:
+            metrics = adamw_steps(requests)
+        except Exception as e:
+            for job in ok:
+                fail(self.store, job.rid, e)
+            return
+        self.optim_batch_sizes.append(len(ok))
+        for job, m in zip(ok, metrics):
+            self.store.set_result(job.rid, {"metrics": m})
 
     def _fwdbwd(self, jobs: list[Job], backward: bool) -> None:
         rows, ok = [], []
