@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import small_config
 
+from spinwheel.envs import EnvError
 from spinwheel.envs.base import Step
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.rl.llm import train_rl
@@ -89,3 +90,37 @@ def test_a_run_on_huge_rewards_fails_the_bad_episodes_only_and_trains(tmp_path, 
         assert 0 < r["episodes_failed"] < r["episodes"] / 2
         ok = r["episodes"] - r["episodes_failed"]  # a failed episode counts 0 in the mean, as every failed one
         assert r["reward_mean"] == pytest.approx(BIG * ok / r["episodes"], rel=1e-6)
+
+
+TWICE_ENV = '''
+from spinwheel.envs import Env, Step
+
+
+class Twice(Env):
+    """Two turns of reward 2e38 each: each a float32, their total (4e38) not."""
+
+    max_turns = 2
+
+    def __init__(self, split="train"):
+        super().__init__(split)
+        self.turns = 0
+
+    def reset(self, seed):
+        return "1+1="
+
+    def step(self, action):
+        self.turns += 1
+        return Step("ok\\n" if self.turns == 1 else None, 2e38, self.turns == 2)
+'''
+
+
+def test_an_episode_total_past_float32_fails_the_episode(tmp_path, monkeypatch):
+    (tmp_path / "twice_env.py").write_text(TWICE_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = dict(data=None, reward="task", env="twice_env:Twice", steps=1, max_new_tokens=3, beta=0.0, eval_every=0)
+    with pytest.raises(EnvError) as e:  # every episode failed: the run stops with one line (not loss = nan)
+        train_rl(small_config(tmp_path / "run", **config))
+    assert str(e.value) == (
+        "16 of 16 episodes of twice_env:Twice failed: env.step: the episode's total reward 4e+38 is past float32's "
+        "range (±3.4e38)"
+    )
