@@ -4,6 +4,9 @@ test never passed runs to ``--steps`` as before."""
 
 from __future__ import annotations
 
+import pytest
+from helpers import run_cli
+
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.metrics import read_metrics
@@ -29,3 +32,18 @@ def test_until_ends_the_run_at_the_first_evaluation_that_passes(tmp_path):
     full = train_sft(config(tmp_path / "b"), until=lambda ev: False)
     assert full["end_step"] == 8 and "reached" not in full
     assert result["losses"] == full["losses"][:4]
+
+
+@pytest.mark.slow
+def test_demo_sft_checks_every_step_near_the_target_and_grpo_evaluates_periodically(tmp_path, capfd):
+    """The demo's two SFT phases (coarse checks, then one a step from --sft-near on: a resumed run of the same
+    schedule) and GRPO's periodic held-out curve, at tiny step counts."""
+    argv = ["demo", "--out-dir", str(tmp_path), "--sft-steps", "9", "--sft-check-every", "3", "--sft-near", "0"]
+    argv += ["--sft-target", "1", "--grpo-steps", "4", "--grpo-eval-every", "2", "--grpo-prompts", "2"]
+    proc = run_cli([*argv, "--eval-examples", "8", "--no-progress"], capfd)
+    assert proc.returncode == 0, proc.stderr
+    assert "SFT ended at step 9" in proc.stdout and "after SFT 0.0% -> after GRPO" in proc.stdout
+    sft_evals = [r["step"] for r in read_metrics(tmp_path / "sft" / "metrics.jsonl") if "eval_exact_match" in r]
+    assert sft_evals == [0, 3, 4, 5, 6, 7, 8, 9]  # near (0) reached at the first check: then every step
+    grpo = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+    assert [r["step"] for r in grpo if "eval_exact_match" in r] == [0, 2, 4]
