@@ -4,6 +4,9 @@ Each client runs ``--steps`` of forward_backward (``--batch`` copies of a ``--to
 optim_step through the official ``tinker`` SDK. "shared": one process holds the base once and serves all four clients
 (their forward_backward calls batched together); "separate": four processes, each its own copy of the base and one
 client. Printed: total steps/s and peak RSS (VmHWM, summed over the processes), side by side, and their ratios.
+"shared, no gather" is the shared service with ``--gather-ms 0`` (a forward_backward batch runs with whoever is
+queued, without waiting a moment for clients between two steps). The modes run in turn, ``--rounds`` times
+(interleaved, so that the load of a shared machine falls on all of them alike); each mode's best round counts.
 
     python benchmarks/tinker.py --model tiny
     python benchmarks/tinker.py --model smollm2-135m-instruct --steps 6
@@ -33,7 +36,7 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-def worker(model: str, clients: int, steps: int, batch: int, tokens: int) -> dict:
+def worker(model: str, clients: int, steps: int, batch: int, tokens: int, gather_ms: float) -> dict:
     """One service with ``clients`` SDK clients training concurrently; returns steps, seconds and peak RSS."""
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
     import numpy as np
@@ -42,7 +45,8 @@ def worker(model: str, clients: int, steps: int, batch: int, tokens: int) -> dic
 
     from spinwheel.tinker.serve import BackgroundTinker, TinkerConfig, build_service
 
-    svc = build_service(TinkerConfig(model=model, run_dir=tempfile.mkdtemp(prefix="tinker-bench-")))
+    run_dir = tempfile.mkdtemp(prefix="tinker-bench-")
+    svc = build_service(TinkerConfig(model=model, run_dir=run_dir, gather_ms=gather_ms))
     with BackgroundTinker(svc) as bg:
         sdk = tinker.ServiceClient(base_url=bg.url)
         tcs = [sdk.create_lora_training_client(base_model=model, rank=8, seed=i).result() for i in range(clients)]
@@ -69,17 +73,19 @@ def worker(model: str, clients: int, steps: int, batch: int, tokens: int) -> dic
             t.join()
         seconds = time.perf_counter() - start
         batches = svc.worker.batch_sizes[steps:]
+        optims = svc.worker.optim_batch_sizes[steps:]
     return {
         "steps": clients * steps,
         "seconds": seconds,
         "rss_mb": peak_rss_mb(),
         "mean_batch": sum(batches) / max(1, len(batches)),
+        "mean_optim_batch": sum(optims) / max(1, len(optims)),
     }
 
 
-def launch(args: argparse.Namespace, clients: int) -> subprocess.Popen:
+def launch(args: argparse.Namespace, clients: int, gather_ms: float = 50.0) -> subprocess.Popen:
     argv = [sys.executable, __file__, "--worker", str(clients), "--model", args.model, "--steps", str(args.steps)]
-    argv += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
+    argv += ["--batch", str(args.batch), "--tokens", str(args.tokens), "--gather-ms", str(gather_ms)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
 
@@ -100,26 +106,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="times each mode runs, in turn (its best counts)")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--gather-ms", type=float, default=50.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.model, args.worker, args.steps, args.batch, args.tokens)), flush=True)
+        out = worker(args.model, args.worker, args.steps, args.batch, args.tokens, args.gather_ms)
+        print(json.dumps(out), flush=True)
         return
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[0]
     print(
         f"model {args.model}, {args.clients} clients x {args.steps} steps of {args.batch} x {args.tokens} tokens, "
-        f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, load {load}"
+        f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, load {loadavg()} at the start"
     )
-    (shared,) = collect([launch(args, args.clients)])
-    separate = collect([launch(args, 1) for _ in range(args.clients)])
-    sep_rate = sum(r["steps"] for r in separate) / max(r["seconds"] for r in separate)
-    sep_rss = sum(r["rss_mb"] for r in separate)
-    rate = shared["steps"] / shared["seconds"]
+    best: dict[str, tuple[float, float, str]] = {}
+    for _ in range(args.rounds):
+        for mode in ("shared", "shared, no gather", "separate processes"):
+            if mode == "separate processes":
+                runs = collect([launch(args, 1) for _ in range(args.clients)])
+                rate = sum(r["steps"] for r in runs) / max(r["seconds"] for r in runs)
+                rss, note = sum(r["rss_mb"] for r in runs), ""
+            else:
+                (r,) = collect([launch(args, args.clients, 50.0 if mode == "shared" else 0.0)])
+                rate, rss = r["steps"] / r["seconds"], r["rss_mb"]
+                note = f"(mean batch: forward_backward {r['mean_batch']:.2f}, optim_step {r['mean_optim_batch']:.2f})"
+            print(f"  round: {mode:20} {rate:6.2f} steps/s {note}", flush=True)
+            if mode not in best or rate > best[mode][0]:
+                best[mode] = (rate, rss, note)
+    print(f"load {loadavg()} at the end; best round of each mode:")
     print(f"{'':24}{'steps/s':>10}{'peak RSS MB':>14}")
-    print(f"{'one service, shared':24}{rate:10.2f}{shared['rss_mb']:14.0f}   (mean batch {shared['mean_batch']:.2f})")
-    print(f"{'separate processes':24}{sep_rate:10.2f}{sep_rss:14.0f}")
-    print(f"ratio shared / separate: steps/s {rate / sep_rate:.2f}x, peak RSS {shared['rss_mb'] / sep_rss:.2f}x")
+    for mode, (rate, rss, note) in best.items():
+        print(f"{mode:24}{rate:10.2f}{rss:14.0f}   {note}")
+    shared, sep = best["shared"], best["separate processes"]
+    print(f"ratio shared / separate: steps/s {shared[0] / sep[0]:.2f}x, peak RSS {shared[1] / sep[1]:.2f}x")
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 if __name__ == "__main__":

@@ -148,6 +148,31 @@ def test_the_worker_runs_optim_steps_of_waiting_clients_together(svc):
     assert 4 in svc.worker.optim_batch_sizes
 
 
+def test_a_forward_backward_batch_waits_a_moment_for_clients_between_two_steps(svc):
+    worker = svc.worker
+    for name in ("g0", "g1", "g2"):
+        svc.trainer.create(name, LoRAConfig(rank=2, alpha=16.0, targets=("q",)), seed=0)
+    old, worker.gather_s = worker.gather_s, 5.0
+    try:
+        now = time.monotonic()
+        with worker._cond:  # g0 and g1 just stepped (as after their optim_step): the next batch waits for both
+            worker._last_step = {"g0": now, "g1": now}
+        before = len(worker.batch_sizes)
+        first = svc.forward_backward(request("g0", "cross_entropy", SEQS[:1], 0))
+        time.sleep(0.2)  # g1's request comes later, inside the window
+        second = svc.forward_backward(request("g1", "cross_entropy", SEQS[1:2], 1))
+        assert all(svc.store.poll(rid, 30).error is None for rid in (first, second))
+        assert worker.batch_sizes[before] == 2
+        worker.gather_s = 0.3  # g2 stepped and then went quiet: the batch runs without it once the window ends
+        with worker._cond:
+            worker._last_step["g2"] = time.monotonic()
+        start = time.monotonic()
+        assert svc.store.poll(svc.forward_backward(request("g0", "cross_entropy", SEQS[:1], 0)), 30).error is None
+        assert 0.25 < time.monotonic() - start < 20 and worker.batch_sizes[-1] == 1
+    finally:
+        worker.gather_s = old
+
+
 def datum(ids: list[int]) -> types.Datum:
     return types.Datum(
         model_input=types.ModelInput.from_ints(ids[:-1]),

@@ -37,13 +37,14 @@ class TinkerService:
         tokenizer_dir: Path,
         run_dir: Path,
         lora_alpha: float,
+        gather_ms: float = 50.0,
     ) -> None:
         self.model, self.engine, self.trainer = model, engine, trainer
         self.names = names  # names[0] is the one the service reports; any of them may be asked for
         self.tokenizer_dir, self.run_dir, self.lora_alpha = tokenizer_dir, run_dir, lora_alpha
         self.store = FutureStore()
         self.sampler = Sampler(engine)
-        self.worker = Worker(trainer, self.sampler, self.store)
+        self.worker = Worker(trainer, self.sampler, self.store, gather_ms)
         self._session_ids = itertools.count()
         self._sampler_names = itertools.count()
 

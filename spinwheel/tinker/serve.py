@@ -34,12 +34,17 @@ class TinkerConfig:
     device: str | None = option(None, help="cpu or cuda (default: cuda when available)")
     micro_batch_tokens: int = option(8192, help="padded tokens per forward/backward micro-batch")
     kv_cache_memory_mb: float = option(256.0, help="the sampling engine's KV-cache memory")
+    gather_ms: float = option(
+        50.0, help="longest a forward_backward batch waits for clients between two steps to join it (0: never)"
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("give --model (a checkpoint directory, Hub id, GGUF file, named model or preset)")
         if not 0 < self.port < 65536 and self.port != 0:
             raise ValueError(f"--port {self.port}: give a port in 1..65535")
+        if self.gather_ms < 0:
+            raise ValueError(f"--gather-ms {self.gather_ms}: give 0 (no waiting) or more")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"--micro-batch-tokens {self.micro_batch_tokens}: give at least 1")
 
@@ -67,7 +72,14 @@ def build_service(config: TinkerConfig):
     trainer = Trainer(model, train_rows, config.micro_batch_tokens)
     names = [config.model_name or config.model, config.model, str(resolve_model_path(config.model))]
     return TinkerService(
-        model, engine, trainer, list(dict.fromkeys(names)), run_dir / "tokenizer", run_dir, config.lora_alpha
+        model,
+        engine,
+        trainer,
+        list(dict.fromkeys(names)),
+        run_dir / "tokenizer",
+        run_dir,
+        config.lora_alpha,
+        config.gather_ms,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from spinwheel.tinker.trainer import Trainer, UnknownModelError
 from spinwheel.tinker.wire import FwdBwdRequest, encode_forward_backward
 
 logger = logging.getLogger("spinwheel.tinker")
+ACTIVE_SECONDS = 2.0  # a training client whose last step ended this recently is waited for (see Worker._gather)
 USER_ERRORS = (LossInputError, CheckpointPathError, LoRAError, UnknownModelError)
 
 
@@ -57,8 +59,10 @@ def fail(store: FutureStore, rid: str, e: BaseException) -> None:
 
 
 class Worker:
-    def __init__(self, trainer: Trainer, sampler: Sampler, store: FutureStore) -> None:
+    def __init__(self, trainer: Trainer, sampler: Sampler, store: FutureStore, gather_ms: float = 50.0) -> None:
         self.trainer, self.sampler, self.store = trainer, sampler, store
+        self.gather_s = gather_ms / 1000
+        self._last_step: dict[str, float] = {}  # training client -> when its last forward_backward/optim_step ended
         self.queues = Queues()
         self._cond = threading.Condition()
         self._stop = False
@@ -83,20 +87,40 @@ class Worker:
             self._cond.notify()
         self._thread.join(30)
 
-    def _take(self) -> tuple[list[Job], list[Job]] | None:
+    def _gather(self) -> None:
+        """Before a forward_backward batch, wait up to ``gather_s`` for the training clients that are between two
+        steps (one ended within ACTIVE_SECONDS and nothing of theirs is queued): a client sends its next
+        forward_backward only once its optim_step's result is back, so without the wait the first client to answer
+        would run alone and the others one round later."""
+        heads = [q[0] for q in self.queues.by_model.values() if q]
+        if self.gather_s <= 0 or not any(j.fwdbwd is not None and not j.fwdbwd.forward_only for j in heads):
+            return
+        now = time.monotonic()
+        deadline = now + self.gather_s
+        self._last_step = {m: t for m, t in self._last_step.items() if now - t < ACTIVE_SECONDS}
+        active = list(self._last_step)
+        while not self._stop and any(not self.queues.by_model.get(m) for m in active):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _take(self) -> tuple[list[tuple[str, Job]], list[Job]] | None:
         with self._cond:
             while not self._stop and not self.queues.samples and not any(self.queues.by_model.values()):
                 self._cond.wait()
+            self._gather()
             if self._stop:
                 return None
-            heads = [q.popleft() for q in self.queues.by_model.values() if q]
+            heads = [(m, q.popleft()) for m, q in self.queues.by_model.items() if q]
             samples = list(self.queues.samples)
             self.queues.samples.clear()
             return heads, samples
 
     def _run(self) -> None:
         while (work := self._take()) is not None:
-            heads, samples = work
+            named, samples = work
+            heads = [j for _, j in named]
             for forward_only in (False, True):
                 batch = [j for j in heads if j.fwdbwd is not None and j.fwdbwd.forward_only == forward_only]
                 if batch:
@@ -107,6 +131,10 @@ class Worker:
             for job in heads:
                 if job.call is not None:
                     self._call(job)
+            now = time.monotonic()
+            for m, j in named:
+                if j.fwdbwd is not None or j.optim is not None:
+                    self._last_step[m] = now
             if samples:
                 self._sample(samples)
 
