@@ -6,11 +6,12 @@ factors are trainable: a projection with base weight W computes, for the rows ``
 
     y[rows_c] = x[rows_c] W^T + b + s_c (x[rows_c] A_c^T) B_c^T,     s_c = alpha_c / r_c
 
-with autograd through the gathers and the (out-of-place) ``index_add``, so one backward over a batch mixing clients
-gives each client's A, B exactly the gradient of its own rows. A and B are drawn as
-:class:`~spinwheel.models.lora.LoRALinear` draws them (A kaiming-uniform from a seeded generator in the order
-:func:`~spinwheel.models.lora.apply_lora` visits the layers, B = 0), so a client created with seed k starts where
-``apply_lora(model, config, seed=k)`` starts (the exactness test's reference).
+where a batch is ordered by client, so ``rows_c`` is one slice of the flattened activations: each client's low-rank
+term is computed on its slice (a view, no gather) and the terms are concatenated and added once. Autograd through the
+slices gives each client's A, B exactly the gradient of its own rows in one backward over a batch mixing clients.
+A and B are drawn as :class:`~spinwheel.models.lora.LoRALinear` draws them (A kaiming-uniform from a seeded generator
+in the order :func:`~spinwheel.models.lora.apply_lora` visits the layers, B = 0), so a client created with seed k
+starts where ``apply_lora(model, config, seed=k)`` starts (the exactness test's reference).
 
 :class:`MultiLoRAProjection` subclasses the engine's :class:`~spinwheel.engine.multi_lora.LoRAProjection`, so the
 sampling engine serves saved adapters on the very same modules (one copy of the base for training and sampling).
@@ -37,9 +38,10 @@ MLP_TARGETS = ("gate", "up", "down")
 
 @dataclass
 class TrainRows:
-    """The rows of the current training batch by client: (client id, row indices (R,) int64, or None for all)."""
+    """The rows of the current training batch by client: (client id, start, stop) — each client's sequences are
+    consecutive in the batch, so its rows are one slice of the flattened (B * T, C) activations."""
 
-    groups: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
+    groups: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class MultiLoRAProjection(LoRAProjection):
@@ -56,16 +58,16 @@ class MultiLoRAProjection(LoRAProjection):
         if not self.train_rows.groups:
             return y
         flat = x.reshape(-1, self.in_features)
-        out = y.reshape(-1, self.out_features)
-        for client, rows in self.train_rows.groups:
+        deltas = []
+        for client, start, stop in self.train_rows.groups:
             factors = self.clients.get(client)
-            if factors is None:
+            if factors is None:  # this client does not adapt this projection
+                deltas.append(torch.zeros(stop - start, self.out_features, dtype=y.dtype, device=y.device))
                 continue
             a, b, scaling = factors
-            h = flat if rows is None else flat.index_select(0, rows)
-            delta = (F.linear(F.linear(h.to(a.dtype), a), b) * scaling).to(out.dtype)
-            out = out + delta if rows is None else out.index_add(0, rows, delta)
-        return out.view(y.shape)
+            deltas.append((F.linear(F.linear(flat[start:stop].to(a.dtype), a), b) * scaling).to(y.dtype))
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
+        return (y.reshape(-1, self.out_features) + delta).view(y.shape)
 
 
 def install(model: Transformer, registry: AdapterRegistry) -> TrainRows:
@@ -140,18 +142,18 @@ class ClientAdapter:
 
 
 @contextmanager
-def rows_of(train_rows: TrainRows, clients: list[str], seq_len: int, device: torch.device) -> Iterator[None]:
-    """Inside the block, sequence i of a (B, T = ``seq_len``) batch runs through ``clients[i]``'s adapter (its T
-    rows of the flattened (B * T, C) activations)."""
-    if len(set(clients)) == 1:
-        train_rows.groups = [(clients[0], None)]
-    else:
-        steps = torch.arange(seq_len)
-        groups = []
-        for c in dict.fromkeys(clients):
-            seqs = torch.tensor([i for i, x in enumerate(clients) if x == c])
-            groups.append((c, (seqs[:, None] * seq_len + steps).flatten().to(device)))
-        train_rows.groups = groups
+def rows_of(train_rows: TrainRows, clients: list[str], seq_len: int) -> Iterator[None]:
+    """Inside the block, sequence i of a (B, T = ``seq_len``) batch runs through ``clients[i]``'s adapter; each
+    client's sequences must be consecutive (the trainer orders a batch by client)."""
+    groups: list[tuple[str, int, int]] = []
+    for i, c in enumerate(clients):
+        if groups and groups[-1][0] == c:
+            groups[-1] = (c, groups[-1][1], (i + 1) * seq_len)
+        elif any(g[0] == c for g in groups):
+            raise ValueError(f"rows_of: client '{c}' has sequences apart in the batch; order the batch by client")
+        else:
+            groups.append((c, i * seq_len, (i + 1) * seq_len))
+    train_rows.groups = groups
     try:
         yield
     finally:

@@ -37,7 +37,7 @@ class TinkerService:
         tokenizer_dir: Path,
         run_dir: Path,
         lora_alpha: float,
-        gather_ms: float = 50.0,
+        gather_ms: float = 0.0,
     ) -> None:
         self.model, self.engine, self.trainer = model, engine, trainer
         self.names = names  # names[0] is the one the service reports; any of them may be asked for

@@ -35,7 +35,7 @@ class TinkerConfig:
     micro_batch_tokens: int = option(8192, help="padded tokens per forward/backward micro-batch")
     kv_cache_memory_mb: float = option(256.0, help="the sampling engine's KV-cache memory")
     gather_ms: float = option(
-        50.0, help="longest a forward_backward batch waits for clients between two steps to join it (0: never)"
+        0.0, help="longest a forward_backward batch waits for clients between two steps to join it (0: never)"
     )
 
     def __post_init__(self) -> None:

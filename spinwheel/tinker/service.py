@@ -59,7 +59,7 @@ def fail(store: FutureStore, rid: str, e: BaseException) -> None:
 
 
 class Worker:
-    def __init__(self, trainer: Trainer, sampler: Sampler, store: FutureStore, gather_ms: float = 50.0) -> None:
+    def __init__(self, trainer: Trainer, sampler: Sampler, store: FutureStore, gather_ms: float = 0.0) -> None:
         self.trainer, self.sampler, self.store = trainer, sampler, store
         self.gather_s = gather_ms / 1000
         self._last_step: dict[str, float] = {}  # training client -> when its last forward_backward/optim_step ended

@@ -104,6 +104,8 @@ class Trainer:
         return list(zip(outputs, sums))
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
+        """Consecutive runs of at most ``micro_batch_tokens`` padded tokens, each ordered by client (a client's
+        rows one slice of the activations: :func:`~spinwheel.tinker.adapters.rows_of`)."""
         batches: list[list[Row]] = []
         longest = 0
         for r in rows:
@@ -114,7 +116,8 @@ class Trainer:
             else:
                 batches.append([r])
                 longest = len(r.tokens)
-        return batches
+        first = {c: i for i, c in reversed(list(enumerate(r.client for r in rows)))}
+        return [sorted(b, key=lambda r: first[r.client]) for b in batches]
 
     def _logprobs(self, batch: list[Row]) -> list[torch.Tensor]:
         """log p(target_t | tokens_<=t) (T_i,) fp32 for each row, through each row's client adapter."""
@@ -127,7 +130,7 @@ class Trainer:
             n = len(r.tokens)
             ids[i, :n], labels[i, :n], mask[i, :n] = r.tokens, r.targets, 1
         ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
-        with rows_of(self.train_rows, [r.client for r in batch], width, device):
+        with rows_of(self.train_rows, [r.client for r in batch], width):
             padded = None if bool(mask.all()) else mask
             hidden = self.model(ids, attention_mask=padded, return_hidden=True)  # (B, T, C)
         logp, _ = chunked_token_logprobs(hidden, self.model.lm_head, labels)  # (B, T)
