@@ -18,7 +18,7 @@ Sections:
 
 * ``steps`` — the two trainers in one process taking turns one step at a time (grpo_vs_trl.py's baton: the
   machine's load hits both alike); median wall and CPU time per step, the first step left out.
-* ``memory`` — each system alone in a child process for ``--memory-steps`` steps: peak RSS (``ru_maxrss``).
+* ``memory`` — each system alone in a child process for ``--memory-steps`` steps: peak RSS (the child's ``VmHWM``).
 * ``learning`` — spinwheel's recipe (``--learn-steps`` steps), then TRL for the same wall-clock time as spinwheel's
   step loop took; both final policies scored by one function: greedy, on the same ``--eval-problems`` test-split
   problems, the same extraction, on spinwheel's engine (TRL's adapter merged into its base first).
@@ -27,8 +27,8 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +41,7 @@ import grpo_vs_trl as gvt  # noqa: E402 — the turn-taking harness (a script in
 import torch  # noqa: E402
 
 from spinwheel.models.hub import resolve_model_path  # noqa: E402
-from spinwheel.real_demo import ENV, ENV_ARGS, MODEL, SYSTEM_PROMPT  # noqa: E402
+from spinwheel.real_demo import ENV, ENV_ARGS, MODEL, SYSTEM_PROMPT, real_config  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SECTIONS = ("steps", "memory", "learning")
@@ -58,39 +58,24 @@ def chat(question: str) -> list[dict[str, str]]:
 
 
 def spinwheel_config(args: argparse.Namespace, out: Path, steps: int):
-    from spinwheel.rl.llm import RLConfig
+    """The recipe of ``spinwheel demo --real`` with this run's shape and the matched settings spelled out."""
+    from types import SimpleNamespace
 
-    return RLConfig(
-        algo="grpo",
-        model=MODEL,
-        env=ENV,
-        env_arg=ENV_ARGS,
-        system_prompt=SYSTEM_PROMPT,
-        lora_rank=16,
-        lora_alpha=32.0,
+    demo = SimpleNamespace(real_lr=args.lr, real_steps=steps, seed=args.seed, num_threads=args.threads, progress=False)
+    return dataclasses.replace(
+        real_config(demo, out),
         prompts_per_step=args.prompts,
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens,
-        temperature=1.0,
         top_p=1.0,
-        lr=args.lr,
         warmup_steps=args.warmup,
-        min_lr_ratio=1.0,
         grad_clip=1.0,
         beta=0.0,
         eps_low=args.epsilon,
         eps_high=args.epsilon,
         loss_agg="token-mean",
         scale_rewards=True,
-        steps=steps,
-        eval_every=0,
         eval_examples=args.eval_examples,
-        save_every=0,
-        out_dir=str(out),
-        seed=args.seed,
-        num_threads=args.threads,
-        progress=False,
-        resume=False,
     )
 
 
@@ -218,7 +203,9 @@ def memory_child(args: argparse.Namespace, system: str) -> None:
     run = gvt.Run(system, baton)
     with tempfile.TemporaryDirectory(prefix="real_grpo_vs_trl-") as tmp:
         (run_trl if system == "trl" else run_spinwheel)(args, args.memory_steps, Path(tmp), run)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # VmHWM: this process's own peak (ru_maxrss would carry the forking parent's peak across the exec)
+    status = Path("/proc/self/status").read_text().splitlines()
+    peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**20
     print(json.dumps({"system": system, "peak_gb": peak, "steps": len(run.step_times)}))
 
 
