@@ -6,9 +6,9 @@
    own engine over the trainer's weights;
 3. held-out exact match after SFT and after GRPO, and a few completions from the engine.
 
-The SFT stage ends at a level, not a step count: the first check whose held-out exact match reaches ``--sft-target``
-(every ``--sft-check-every`` steps, then after every step from ``--sft-near`` (25%) on, where the curve rises by points a
-step). A fixed 300-step budget ended on the steep part of the curve, where a CPU's
+The SFT stage ends at a level, not a step count: the first check whose held-out exact match reaches
+``--sft-target`` (every ``--sft-check-every`` steps, then after every step from ``--sft-near`` (25%) on, where the
+curve rises by points a step). A fixed 300-step budget ended on the steep part of the curve, where a CPU's
 rounding moved the figure by tens of points (BENCHMARKS.md, "Demo recipe over seeds").
 
 Everything is written under ``--out-dir`` (``sft/`` and ``grpo/``, each with ``checkpoint/``, ``metrics.jsonl``,
