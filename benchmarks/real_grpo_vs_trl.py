@@ -19,6 +19,11 @@ Sections:
 * ``steps`` — the two trainers in one process taking turns one step at a time (grpo_vs_trl.py's baton: the
   machine's load hits both alike); median wall and CPU time per step, the first step left out.
 * ``memory`` — each system alone in a child process for ``--memory-steps`` steps: peak RSS (the child's ``VmHWM``).
+* ``floor`` — the GEMMs a step cannot avoid, alone, at the step's shapes (``--floor-completion`` tokens per
+  completion, the recipe's mean): generation's (one prefill of the prompts, then decode steps of one row per
+  completion, on the engine's oneDNN-packed weights) and the update's (every projection's forward over the packed
+  prompt + completion tokens and its backward to the activations — the base is frozen —, the LM head on the completion
+  tokens). No attention, norms, sampling or optimizer: a lower bound on any system's step with these kernels.
 * ``learning`` — spinwheel's recipe (``--learn-steps`` steps), then TRL for the same wall-clock time as spinwheel's
   step loop took; both final policies scored by one function: greedy, on the same ``--eval-problems`` test-split
   problems, the same extraction, on spinwheel's engine (TRL's adapter merged into its base first).
@@ -44,7 +49,7 @@ from spinwheel.models.hub import resolve_model_path  # noqa: E402
 from spinwheel.real_demo import ENV, ENV_ARGS, MODEL, SYSTEM_PROMPT, real_config  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SECTIONS = ("steps", "memory", "learning")
+SECTIONS = ("steps", "memory", "learning", "floor")
 
 
 def make_env(split: str):
@@ -274,6 +279,55 @@ def section_learning(args: argparse.Namespace, work: Path) -> dict:
     return {"accuracy": figures, "steps": steps, "budget_min": budget / 60}
 
 
+def update_floor(model, tokens: int, head_rows: int) -> float:
+    """Seconds of the update's GEMMs alone: forward and backward-to-activations of every projection (frozen weights)."""
+    import torch.nn.functional as F
+
+    hidden = model.config.hidden_size
+    x0 = torch.randn(tokens, hidden, requires_grad=True)
+    t0 = time.perf_counter()
+    x = x0
+    for layer in model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach()
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        q = F.linear(x, qkv)[:, :hidden]
+        x = x + F.linear(q, att.o_proj.weight.detach())
+        h = F.linear(x, gate_up)
+        x = x + F.linear(h[:, : h.shape[1] // 2], mlp.down_proj.weight.detach())
+    F.linear(x[-head_rows:], model.lm_head.weight.detach()).sum().backward()
+    return time.perf_counter() - t0
+
+
+def section_floor(args: argparse.Namespace, work: Path) -> dict:
+    from real_model import run_linear_floor
+
+    from spinwheel.engine import LLM
+
+    llm = LLM(MODEL, device="cpu", dtype="float32")
+    tok = llm.tokenizer
+    env = make_env("train")
+    prompts = [tok.encode(tok.apply_chat_template(chat(env.reset(s))), add_special_tokens=False) for s in range(8)]
+    n, length = args.prompts * args.group_size, args.floor_completion
+    tokens = sum(map(len, prompts)) * args.group_size + n * length
+    best_gen = best_upd = float("inf")
+    with torch.no_grad():
+        run_linear_floor(llm, prompts[:2], 2)  # warm-up
+    for _ in range(2):
+        with torch.inference_mode():  # the prefill once per prompt (its samples share it), then n rows a step
+            gen = run_linear_floor(llm, prompts, 1)["time"]
+            gen += run_linear_floor(llm, [[0]] * n, length)["time"] - run_linear_floor(llm, [[0]] * n, 1)["time"]
+        best_gen = min(best_gen, gen)
+        best_upd = min(best_upd, update_floor(llm.engine.runner.model, tokens, n * length))
+    llm.close()
+    total = best_gen + best_upd
+    print(
+        f"  GEMMs alone: generation {best_gen:.2f} s, update {best_upd:.2f} s ({tokens} tokens), step {total:.2f} s; "
+        f"0.35 x a TRL step of S s is below this floor for S < {total / 0.35:.1f} s"
+    )
+    return {"generation_s": best_gen, "update_s": best_upd, "step_s": total, "tokens": tokens}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
@@ -291,6 +345,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems of the learning section")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--floor-completion", type=int, default=32, help="tokens per completion in the floor section")
     parser.add_argument("--json", default=None, help="write the figures here as JSON")
     parser.add_argument("--memory-child", choices=gvt.SYSTEMS, help=argparse.SUPPRESS)
     return parser.parse_args()
