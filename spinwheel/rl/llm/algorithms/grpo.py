@@ -36,7 +36,7 @@ class GroupPolicyGradient(Algorithm):
     kl_in_loss = True
     ratio_level = "token"  # GSPO: "sequence"
 
-    def prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
+    def prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs, turn_rewards=None) -> dict[str, torch.Tensor]:
         return {"advantages": self.advantages(rewards, mask, old_logprobs, ref_logprobs)}
 
     def advantages(self, rewards, mask, old_logprobs, ref_logprobs) -> torch.Tensor:

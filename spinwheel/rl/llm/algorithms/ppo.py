@@ -75,12 +75,13 @@ class PPO(Algorithm):
         inputs: Batch,
         old_logprobs: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
+        turn_rewards: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-row tensors for the update: whitened GAE advantages, value targets and the rollout-time values."""
         c = self.config
         values = self.critic.forward(inputs)["values"] * mask
         kl = (old_logprobs - ref_logprobs) * mask if ref_logprobs is not None else torch.zeros_like(mask)
-        scores = rewards if self.turn_rewards is None else self.turn_rewards  # per turn, at each turn's last token
+        scores = rewards if turn_rewards is None else turn_rewards  # per turn, at each turn's last token
         token_r = token_rewards(scores.to(mask.dtype), kl, mask, self.kl.value)
         advantages, returns = token_gae(token_r, values, mask, c.gamma, c.lam)
         if c.whiten_advantages:

@@ -184,7 +184,7 @@ class TRPO(GroupPolicyGradient):
     def reuses_update_logprobs(self) -> bool:
         return False  # the surrogate's ratio needs the old policy before the step
 
-    def update(self, learner: Learner, per_row: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    def update(self, learner: Learner, per_row: dict[str, torch.Tensor], step: int, own=None) -> dict[str, float]:
         c = self.config
         batch = {k: v for k, v in per_row.items() if k != "mask"}
         batch["weights"] = token_weights(per_row["mask"], c.loss_agg, max_len=c.max_new_tokens)
