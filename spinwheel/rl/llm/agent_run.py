@@ -20,27 +20,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.rewards import RewardError
-
-AGENT_ALGOS = ("grpo", "rloo", "reinforce-pp")
-
-
-def check_agent_options(config: Any) -> None:
-    """One-line refusals of what ``--agent`` does not combine with (called by the run's config)."""
-    if config.agent is None:
-        if config.agent_tasks is not None:
-            raise ValueError("--agent-tasks gives the tasks of --agent: give --agent too")
-        return
-    if config.algo not in AGENT_ALGOS:
-        raise ValueError(f"--agent trains with {', '.join(AGENT_ALGOS)}, not {config.algo}")
-    if config.env is not None or config.data is not None or config.reward != "task" or config.reward_model:
-        raise ValueError(
-            "--agent takes its tasks and rewards from the agent: drop --env / --data / --reward / --reward-model"
-        )
-    if config.max_staleness is not None:
-        raise ValueError("--agent runs the synchronous loop: drop --max-staleness")
-    if not 0 < config.agent_timeout_s < float("inf"):
-        raise ValueError(f"--agent-timeout-s must be a number of seconds > 0, got {config.agent_timeout_s}")
 
 
 class AgentTasks:
@@ -50,7 +31,7 @@ class AgentTasks:
     plays_agents = True
     num_tasks = None
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: RLConfig) -> None:
         from spinwheel.rl.llm.agent_proxy import AgentConfig, load_agent
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from spinwheel.engine import LLM
+from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode
 from spinwheel.rl.llm.rollouts import Rollout, module_mb
 from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
@@ -271,20 +272,13 @@ class RolloutProducer:
             torch.set_num_threads(self.trainer_threads)
 
 
-def check_async_options(config: Any) -> None:
-    """One-line refusals of the producer's options where they cannot act (RLConfig calls this)."""
-    if config.max_staleness is None:
-        if config.kv_on_update != "keep" or config.rollout_engine != "thread":
-            raise ValueError("--kv-on-update and --rollout-engine act on the rollout producer: give --max-staleness K")
-
-
 def producer_threads(max_ahead: int) -> int:
     """The producer's torch threads: all of them at K = 0 (no overlap: the synchronous numerics), half at K >= 1."""
     return torch.get_num_threads() if max_ahead == 0 else max(1, torch.get_num_threads() // 2)
 
 
 def make_producer(
-    config: Any, source: Any, model: torch.nn.Module, tokenizer: Any, options: dict, first: int, end: int
+    config: RLConfig, source: Any, model: torch.nn.Module, tokenizer: Any, options: dict, first: int, end: int
 ) -> RolloutProducer:
     """The producer of ``--max-staleness``: the engine on a copy of ``model``'s weights, in this process or
     (``--rollout-engine process``) in a child; evaluation on an engine of its own over ``model``."""

@@ -4,7 +4,8 @@
 An algorithm
 
 * declares the options that act for it (``options``: fields of :class:`~spinwheel.rl.llm.config.RLConfig` beyond
-  the shared ones; the others are refused for its command) and where its command's defaults differ (``defaults``);
+  the shared ones, from the table in :mod:`~spinwheel.rl.llm.algorithm_options`; the others are refused for its
+  command) and where its command's defaults differ (``defaults``);
 * says whether it needs a frozen reference (``needs_reference``) and whether the update's own forward may stand in
   for the old policy's log-probs (``reuses_update_logprobs``; one update per rollout in one process);
 * turns a scored rollout batch into the per-row tensors its update reads (:meth:`prepare`: advantages, ...);
@@ -12,7 +13,8 @@ An algorithm
   ``minibatches`` optimizer steps; TRPO replaces it with its trust-region step);
 * saves and restores what it keeps beside the policy (:meth:`save` / :meth:`load`: PPO's critic).
 
-Adding one is a file with a subclass and a line in the registry (:mod:`spinwheel.rl.llm.algorithms`).
+Adding one is a file with a subclass, a line in the registry (:mod:`spinwheel.rl.llm.algorithms`) and its row of
+options (:mod:`~spinwheel.rl.llm.algorithm_options`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ import torch
 
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
+from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.token_losses import token_weights
 from spinwheel.train.learners import Learner, OptimConfig, minibatch_updates
 from spinwheel.train.optim import lr_at
-
-RLConfig = Any  # spinwheel.rl.llm.config.RLConfig, which imports the registry to validate its options
 
 
 @dataclasses.dataclass
@@ -118,14 +119,3 @@ class Algorithm:
     def save(self, out_dir: Path, state: dict[str, Any]) -> None:
         """Write what the algorithm keeps beside the policy (before the policy's checkpoint: a checkpoint never
         points at a missing part)."""
-
-    @classmethod
-    def check(cls, config: RLConfig, algorithm_options: frozenset[str]) -> None:
-        """Refuse (one line) an option that does not act for this algorithm but was set away from its default."""
-        defaults = {f.name: f.default for f in dataclasses.fields(config)}
-        for name in sorted(algorithm_options - cls.options):
-            if getattr(config, name) != defaults[name]:
-                acting = ", ".join(sorted(cls.options)) or "none"
-                raise ValueError(
-                    f"--{name.replace('_', '-')} does not act for {cls.name} (its own options: {acting}); drop it"
-                )

@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spinwheel.engine.llm_engine import flush_denormal
 from spinwheel.parallel.mesh import ParallelError
+from spinwheel.rl.llm.algorithm_options import OPTIONS
 from spinwheel.rl.llm.algorithms.grpo import GroupPolicyGradient
 from spinwheel.rl.llm.token_losses import token_weights
 from spinwheel.rl.trpo import flat_grad, trust_region_step
@@ -178,7 +179,7 @@ class TRPO(GroupPolicyGradient):
 
     name = "trpo"
     summary = "TRPO for LLM policies (conjugate gradient on Fisher-vector products, KL trust region) on engine rollouts"
-    options = frozenset({"scale_rewards", "loss_agg", "max_kl", "cg_iters", "cg_damping", "fisher_fraction"})
+    options = OPTIONS["trpo"]
 
     @property
     def reuses_update_logprobs(self) -> bool:
