@@ -18,7 +18,7 @@ from spinwheel.rl.llm.episode_tokens import Episode
 from spinwheel.rl.llm.episodes import EpisodesInterrupted
 from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
 from spinwheel.rl.llm.rollout import gather_dp, sample_seed
-from spinwheel.rl.llm.run_envs import play_share
+from spinwheel.rl.llm.run_envs import PromptsEnv, play_share
 from spinwheel.train.interrupt import any_rank
 from spinwheel.train.run import StepFailed
 from spinwheel.train.sft_data import batch_indices
@@ -54,20 +54,42 @@ class DataRanks:
 
 
 class EpisodeSource:
-    """The run's episodes (module docstring): ``make_env`` the environments' factory by split, ``num_train`` the
-    number of training tasks (None: procedural), ``dims`` the trainer's data-parallel grid (None: one process),
-    ``should_stop`` a Ctrl-C seen by the run."""
+    """The run's episodes (module docstring) over environments: ``make_env`` their factory by split, ``dims`` the
+    trainer's data-parallel grid (None: one process), ``should_stop`` a Ctrl-C seen by the run. ``num_train`` /
+    ``num_eval``: the number of training / held-out tasks (None: procedural)."""
 
     def __init__(
         self,
         config: RLConfig,
-        make_env: Callable[[str], Env],
-        num_train: int | None,
+        make_env: Callable[[str], Env] | None,
         dims: ParallelDims | None,
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
-        self.config, self.make_env, self.num_train, self.dims = config, make_env, num_train, dims
-        self.should_stop = should_stop
+        self.config, self.make_env, self.dims, self.should_stop = config, make_env, dims, should_stop
+        self.num_train, self.num_eval = self.num_tasks("train"), self.num_tasks("test")
+
+    def num_tasks(self, split: str) -> int | None:
+        assert self.make_env is not None
+        return getattr(self.make_env(split), "num_tasks", None)
+
+    def max_model_len(self, context: int) -> int:
+        """The engine's context: one-step episodes over prompts need the longest prompt and its completion (as
+        before environments: the same KV pool); other environments the episode's limit."""
+        c, env = self.config, self.make_env("train")  # type: ignore[misc]
+        if isinstance(env, PromptsEnv):
+            prompts = [*env.prompts, *self.make_env("test").prompts]  # type: ignore[attr-defined, misc]
+            return min(max(len(p.ids) for p in prompts) + c.max_new_tokens + 1, context)
+        return min(c.max_episode_tokens or context, context)
+
+    def figures(self, episodes: list[Episode]) -> dict[str, float]:
+        """The source's own figures of a step's episodes (beside :func:`~.episode_tokens.episode_metrics`)."""
+        return {}
+
+    def groups(self, llm: Any, seeds: list[int], step: int, dims: Any, should_stop=None, figures=None, **kw) -> list:
+        """This rank's share (of ``dims``) of the groups of environments ``seeds``, played on ``llm``
+        (:func:`~spinwheel.rl.llm.run_envs.play_share`; ``kw``: its split, group size, temperature, token
+        versions)."""
+        return play_share(llm, self.make_env, seeds, step, self.config, dims, should_stop, figures, **kw)  # type: ignore[arg-type]
 
     def play(self, step: int, llm: Any, token_versions: Any = None, layout: Any = None) -> tuple[list[Episode], float]:
         """The step's episodes, every rank's, and the seconds this rank spent in reward calls, played on ``llm``
@@ -78,8 +100,8 @@ class EpisodeSource:
         layout = layout or DataRanks(self.dims)
         seeds = step_seeds(c, self.num_train, step)  # the same on every rank (rollout ranks too)
         try:
-            share = lambda dims: play_share(  # noqa: E731
-                llm, self.make_env, seeds, step, c, dims, self.should_stop, figures, token_versions=token_versions
+            share = lambda dims: self.groups(  # noqa: E731
+                llm, seeds, step, dims, self.should_stop, figures, token_versions=token_versions
             )
             mine = layout.play(lambda: share(layout.engines))
         except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
@@ -101,8 +123,6 @@ class EpisodeSource:
     def held_out(self, llm: Any, num: int, layout: Any = None) -> list[Episode]:
         """Greedy episodes of test-split tasks ``0 .. num − 1``, one each, on this rank's ``llm`` alone (under
         ``--engine-tp`` its engine's other ranks serve it)."""
-        c, layout = self.config, layout or DataRanks(None)
-        play = lambda: play_share(  # noqa: E731
-            llm, self.make_env, list(range(num)), -1, c, None, split="test", group_size=1, temperature=0.0
-        )
+        layout = layout or DataRanks(None)
+        play = lambda: self.groups(llm, list(range(num)), -1, None, split="test", group_size=1, temperature=0.0)  # noqa: E731
         return layout.play(play)

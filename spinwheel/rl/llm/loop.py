@@ -28,13 +28,11 @@ from spinwheel.parallel.comm import metrics_since
 from spinwheel.rl.llm.algorithms import ALGORITHMS, Algorithm, Parts
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.engine_tp import check_engine_tp
-from spinwheel.rl.llm.episode_source import EpisodeSource
 from spinwheel.rl.llm.episode_tokens import episode_batch, episode_metrics, episode_rewards, mean_info
 from spinwheel.rl.llm.off_policy import off_policy_weights, staleness_figures, token_versions
-from spinwheel.rl.llm.rollout_factory import make_rollouts
+from spinwheel.rl.llm.rollout_factory import make_rollouts, make_source
 from spinwheel.rl.llm.rollout_play import serve_rollouts
 from spinwheel.rl.llm.rollout_ranks import Placement, placed
-from spinwheel.rl.llm.run_envs import PromptsEnv, run_environments
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
@@ -113,14 +111,12 @@ class RLJob:
             self.learner.load(run.ckpt_dir, run.state)
         say = print if run.is_main else (lambda line: None)
         context = policy.config.max_position_embeddings
-        self.make_env, builtin = run_environments(config, tokenizer, context, say)
-        self.num_train = getattr(self.make_env("train"), "num_tasks", None)  # None: procedural episodes
-        self.num_eval = getattr(self.make_env("test"), "num_tasks", None)
+        self.source, builtin = make_source(config, tokenizer, context, say, dims, run.stop_requested)
+        self.num_train, self.num_eval = self.source.num_train, self.source.num_eval  # None: procedural episodes
         self.eval_key = "eval_exact_match" if builtin else "eval_reward"  # the built-in reward is exact match
         self.eval_label = "exact match" if builtin else "mean reward"
         options = dataclasses.asdict(config.engine)
-        options.update(max_model_len=self._max_model_len(context), seed=config.seed)
-        self.source = EpisodeSource(config, self.make_env, self.num_train, dims, run.stop_requested)
+        options.update(max_model_len=self.source.max_model_len(context), seed=config.seed)
         first, end = run.start_step, run.end_step
         self.rollouts = make_rollouts(config, self.learner, tokenizer, options, self.source, placement, first, end)
         self.last_step_end: float | None = None
@@ -141,15 +137,6 @@ class RLJob:
         full = optim is not None and model.config.num_labels is None  # the policy (the saves: a LoRA one's adapter)
         copy = "all" if full and self.engine_tp_size == 1 else "main" if full and self.config.lora_rank else "none"
         return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy, temperature=t)
-
-    def _max_model_len(self, context: int) -> int:
-        """The engine's context: one-step episodes over prompts need the longest prompt and its completion (as
-        before environments: the same KV pool); other environments the episode's limit."""
-        c, env = self.config, self.make_env("train")
-        if isinstance(env, PromptsEnv):
-            prompts = [*env.prompts, *self.make_env("test").prompts]  # type: ignore[attr-defined]
-            return min(max(len(p.ids) for p in prompts) + c.max_new_tokens + 1, context)
-        return min(c.max_episode_tokens or context, context)
 
     def step(self, step: int) -> dict[str, Any]:
         """One rollout step: take the step's episodes (played now, or by the producer) → log-probs → advantages →
@@ -185,7 +172,8 @@ class RLJob:
         self.rollouts.publish(step + 1, learner.engine_model)
         times["sync"] = time.perf_counter() - mark
         record = self.record(rewards, mask, keep, old, ref, batch["engine_logprobs"], stats, times)
-        record.update(**figures, **episode_metrics(episodes), **self.overlap(start, times), **peaks.figures())
+        record.update(**figures, **episode_metrics(episodes), **self.source.figures(episodes))
+        record.update(**self.overlap(start, times), **peaks.figures())
         record.update(self.rollouts.figures())  # weight sync / broadcast, engine swaps (rollouts.py)
         return {**record, **metrics_since(learner.comm_metrics(), comm_before)}  # log-probs, updates, weight sync
 

@@ -13,15 +13,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from spinwheel.engine import LLM
 from spinwheel.rl.llm import async_rollouts
+from spinwheel.rl.llm.agent_run import AgentSource
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.engine_tp import EngineTP
 from spinwheel.rl.llm.episode_source import EpisodeSource
 from spinwheel.rl.llm.rollout_ranks import Placement, RemoteRollouts
 from spinwheel.rl.llm.rollouts import Rollouts, SyncRollouts, module_mb
+from spinwheel.rl.llm.run_envs import run_environments
 from spinwheel.train.learners import Learner
 
 
@@ -57,6 +60,17 @@ def make_rollouts(
         rollouts = SyncRollouts(source, llm, sync, is_main=is_main)
     rollouts.engine_copy_mb = 0.0 if shares and config.max_staleness is None else module_mb(llm.engine.model)
     return rollouts
+
+
+def make_source(
+    config: RLConfig, tokenizer: Any, context: int, say: Callable[[str], None], dims, should_stop
+) -> tuple[EpisodeSource, bool]:
+    """(the run's episode source: a black-box agent's runs with ``--agent``, else the run's environments; whether its
+    reward is the built-in exact match)."""
+    if config.agent is not None:
+        return AgentSource(config, dims, should_stop), False
+    make_env, builtin = run_environments(config, tokenizer, context, say)
+    return EpisodeSource(config, make_env, dims, should_stop), builtin
 
 
 def sync_engine(learner: Learner, llm: LLM) -> None:

@@ -1,5 +1,4 @@
-"""The environments of an RL run: ``--env`` (:mod:`spinwheel.envs`), ``--agent`` (a black-box agent's runs:
-:mod:`~spinwheel.rl.llm.agent_run`), or — without them — one-step episodes over the
+"""The environments of an RL run: ``--env`` (:mod:`spinwheel.envs`), or — without it — one-step episodes over the
 run's prompts (the built-in task's splits or ``--data``, as :func:`~spinwheel.rl.llm.build.load_prompts` reads and
 filters them) scored by the run's reward (``--reward`` task or ``module:function``, TRL-style too, or
 ``--reward-model``), so every RL command plays episodes on one rollout path and a single-turn run samples and scores
@@ -83,10 +82,6 @@ def run_environments(
     config: RLConfig, tokenizer, context: int, log: Callable[[str], None]
 ) -> tuple[Callable[[str], Env], bool]:
     """(a factory of the run's environments by split, whether the reward is the built-in exact match)."""
-    if config.agent is not None:  # a black-box agent's runs (agent_run.py)
-        from spinwheel.rl.llm.agent_run import AgentTasks
-
-        return AgentTasks(config), False  # type: ignore[return-value]
     chat = resolve_chat(config.chat, tokenizer, config.system_prompt)  # a bad --chat fails before anything runs
     if config.env is not None:
         factory: EnvFactory = load_env(config.env, config.env_arg, config.answer_extraction)
@@ -116,10 +111,6 @@ def play_share(
     played on ``llm``'s engine; gather them with :func:`~spinwheel.rl.llm.rollout.gather_dp`."""
     first, count = dp_share(len(seeds), dims)
     g = group_size or config.group_size
-    if getattr(make_env, "plays_agents", False):  # --agent: the agent's runs, not environments (agent_run.py)
-        t = config.temperature if temperature is None else temperature
-        share = seeds[first : first + count]
-        return make_env.play(llm, share, step, config.seed, g, t, split, should_stop)  # type: ignore[attr-defined]
     groups = [EpisodeGroup([make_env(split) for _ in range(g)], seeds[k], k) for k in range(first, first + count)]
     episode_config = EpisodeConfig(
         max_new_tokens=config.max_new_tokens,
