@@ -7,13 +7,11 @@ exactly what it did before environments existed.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
 
 import torch
 
-from spinwheel.envs import Env, EnvFactory, OneStepEnv, load_env
+from spinwheel.envs import Env, EnvFactory, load_env
 from spinwheel.envs.chat import resolve_chat
 from spinwheel.envs.dataset import record_rewards
 from spinwheel.parallel.mesh import ParallelDims
@@ -21,37 +19,9 @@ from spinwheel.rl.llm.build import load_prompts
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode
 from spinwheel.rl.llm.episodes import EpisodeConfig, EpisodeGroup, run_episodes
+from spinwheel.rl.llm.prompts_env import PromptsEnv, Scorer
 from spinwheel.rl.llm.rewards import load_reward_fn, score
-from spinwheel.rl.llm.rollout import Prompt, dp_share
-
-Scorer = Callable[..., torch.Tensor]  # (prompts, completions, timeout_s=, should_stop=) -> (B,) rewards
-
-
-class PromptsEnv(OneStepEnv):
-    """One step over prepared prompts: ``reset(seed)`` is prompt ``seed % len(prompts)`` (its chat messages, or its
-    raw text: under ``--chat`` the episode renders it as the user's turn, as ``load_prompts`` counted its tokens),
-    ``step`` scores the answer with the run's scorer — for all episodes of a step in one call."""
-
-    name: ClassVar[str] = "prompts"
-
-    def __init__(self, prompts: Sequence[Prompt], scorer: Scorer, split: str = "train") -> None:
-        super().__init__(split)
-        self.prompts, self.scorer = prompts, scorer
-        self.num_tasks = len(prompts)
-        self.prompt: Prompt | None = None
-
-    def reset(self, seed: int) -> Any:
-        self.prompt = self.prompts[seed % len(self.prompts)]
-        messages = getattr(self.prompt.record, "messages", None)
-        return copy.deepcopy(messages) if messages is not None else self.prompt.text
-
-    @classmethod
-    def score_batch(cls, envs, texts, *, timeout_s=None, should_stop=None) -> list[float]:
-        prompts = [env.prompt for env in envs]
-        return envs[0].scorer(prompts, texts, timeout_s=timeout_s, should_stop=should_stop).tolist()
-
-    def info(self, reward: float) -> dict[str, float]:
-        return {}
+from spinwheel.rl.llm.rollout import dp_share
 
 
 def run_scorer(config: RLConfig) -> tuple[Scorer, bool]:
