@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 
 import spinwheel
-from spinwheel.engine import EngineConfig, LLMEngine
+from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.models import ModelConfig, Transformer
 from spinwheel.models.presets import preset_config
 from spinwheel.parallel import ParallelConfig, ParallelTrainer
+from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.rl.llm.rollout import Prompt, Rollout, dp_share, gather_dp, sample_seed
 from spinwheel.train.optim import ADAMW_BETAS, build_adamw, decays, lr_at
 
 # Spawned ranks import this module (they run `run_layouts`): the server's and the RL loop's imports stay inside the
@@ -344,3 +346,56 @@ def small_config(out_dir, **kw) -> RLConfig:
     )
     base.update(kw)
     return RLConfig(**base)
+
+
+# The pre-episodes sampler of one-step RL rollouts (spinwheel.rl.llm.rollout before episodes replaced it): the
+# reference the one-step episodes (and the preference samplers that play them) are tested against.
+def generate_share(
+    llm: LLM, prompts: list[Prompt], params: list[SamplingParams]
+) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Sample each prompt with its ``params`` on ``llm``: the completions' token ids, engine log-probs and texts,
+    prompt-major."""
+    outs = llm.generate([list(p.ids) for p in prompts], params)
+    ids, logps, texts = [], [], []
+    for p, out in zip(prompts, outs):
+        if out.error:
+            raise ValueError(f"rollout of prompt {p.text!r} failed: {out.error}")
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids.append(list(c.token_ids))
+            logps.append([lp[t] for t, lp in zip(c.token_ids, c.logprobs or [])])
+            texts.append(c.text)
+    return ids, logps, texts
+
+
+def generate_rollout(
+    llm: LLM,
+    prompts: list[Prompt],
+    step: int,
+    seed: int,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    dims: ParallelDims | None = None,
+) -> Rollout:
+    """The step's global rollout; under torchrun each data-parallel rank samples its contiguous share of the
+    prompts (the last shares may be shorter), then every rank receives every share (collective over the world)."""
+    first, count = dp_share(len(prompts), dims)
+    own = prompts[first : first + count]
+    params = [
+        SamplingParams(
+            n=group_size,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_new_tokens,
+            seed=sample_seed(seed, step, first + k),  # the prompt's global index: the same samples on any layout
+            logprobs=0,
+            logprobs_mode="processed",  # of the tempered distribution the tokens were drawn from
+        )
+        for k in range(len(own))
+    ]
+    parts = gather_dp(generate_share(llm, own, params), dims)
+    ids = [row for part in parts for row in part[0]]
+    logps = [row for part in parts for row in part[1]]
+    texts = [row for part in parts for row in part[2]]
+    return Rollout(prompts, group_size, ids, logps, texts)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import all_blocks_free
+from helpers import all_blocks_free, generate_rollout
 
 from spinwheel.engine import LLM
 from spinwheel.envs.base import Action, Env, Step
@@ -26,7 +26,7 @@ from spinwheel.rl.llm.episodes import (
     prefill_counts,
     run_episodes,
 )
-from spinwheel.rl.llm.rollout import Prompt, generate_rollout, rollout_batch
+from spinwheel.rl.llm.rollout import Prompt, rollout_batch
 from spinwheel.train.learners import LocalLearner
 
 T = 0.7

@@ -29,8 +29,8 @@ def ppo_run(tmp_path_factory) -> tuple[list[float], list[float]]:
     seen: list[float] = []
     prepare = PPO.prepare
 
-    def measured_prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs):
-        out = prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs)
+    def measured_prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs, *step_data):
+        out = prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs, *step_data)
         on = mask.bool()
         seen.append(explained_variance(out["old_values"][on].double(), out["returns"][on].double()).item())
         return out

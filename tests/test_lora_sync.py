@@ -95,7 +95,7 @@ def test_lora_producers_receive_the_adapters_alone_and_give_the_synchronous_run(
     assert runs["process"][-1]["weight_publish_mb"] == pytest.approx(expected / 2**20)
     # The thread producer's engine copy holds the frozen base bitwise and the trained adapters of version 1.
     thread_job = jobs[1]
-    copy_state = thread_job.llm.engine.model.state_dict()
+    copy_state = thread_job.rollouts.llm.engine.model.state_dict()
     for name, p in thread_job.learner.model.state_dict().items():
         if "lora_" not in name:
             assert torch.equal(copy_state[name], p), name

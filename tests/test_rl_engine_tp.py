@@ -18,7 +18,7 @@ from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.rl.llm import train_rl
 from spinwheel.rl.llm.engine_tp import check_engine_tp
-from spinwheel.rl.llm.loop import RLJob
+from spinwheel.rl.llm.episode_source import EpisodeSource
 from spinwheel.train.metrics import read_metrics
 
 RTOL = 1e-5
@@ -30,14 +30,14 @@ pytestmark = pytest.mark.usefixtures("digit_reward")  # the reward module `rl_te
 @contextlib.contextmanager
 def _recording_tokens(steps: list):
     """Each step's sampled episodes (their token ids, in the order the loss sees them) appended to ``steps``."""
-    play = RLJob.play
+    play = EpisodeSource.play
 
     def recorded(self, step, *args, **kwargs):
         episodes, seconds = play(self, step, *args, **kwargs)
         steps.append([list(e.token_ids) for e in episodes])
         return episodes, seconds
 
-    with mock.patch.object(RLJob, "play", recorded):
+    with mock.patch.object(EpisodeSource, "play", recorded):
         yield
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import small_config
+from helpers import generate_rollout, small_config
 
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models import Transformer
@@ -14,7 +14,7 @@ from spinwheel.models.presets import preset_config
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel import ParallelConfig, ParallelTrainer
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.rollout import Prompt, generate_rollout, rollout_batch
+from spinwheel.rl.llm.rollout import Prompt, rollout_batch
 from spinwheel.train.learners import LocalLearner
 from spinwheel.train.metrics import read_metrics
 

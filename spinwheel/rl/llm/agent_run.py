@@ -20,37 +20,17 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.episode_source import EpisodeSource
 from spinwheel.rl.llm.rewards import RewardError
-
-AGENT_ALGOS = ("grpo", "rloo", "reinforce-pp")
-
-
-def check_agent_options(config: Any) -> None:
-    """One-line refusals of what ``--agent`` does not combine with (called by the run's config)."""
-    if config.agent is None:
-        if config.agent_tasks is not None:
-            raise ValueError("--agent-tasks gives the tasks of --agent: give --agent too")
-        return
-    if config.algo not in AGENT_ALGOS:
-        raise ValueError(f"--agent trains with {', '.join(AGENT_ALGOS)}, not {config.algo}")
-    if config.env is not None or config.data is not None or config.reward != "task" or config.reward_model:
-        raise ValueError(
-            "--agent takes its tasks and rewards from the agent: drop --env / --data / --reward / --reward-model"
-        )
-    if config.max_staleness is not None:
-        raise ValueError("--agent runs the synchronous loop: drop --max-staleness")
-    if not 0 < config.agent_timeout_s < float("inf"):
-        raise ValueError(f"--agent-timeout-s must be a number of seconds > 0, got {config.agent_timeout_s}")
+from spinwheel.rl.llm.rollout import dp_share
 
 
 class AgentTasks:
-    """The run's environment factory under ``--agent``: ``make_env(split)`` gives this object (procedural tasks:
-    ``num_tasks`` None), and :func:`~spinwheel.rl.llm.run_envs.play_share` hands the step to :meth:`play`."""
+    """The agent and its task function (``--agent``, ``--agent-tasks``); :meth:`play` runs a share of a step."""
 
-    plays_agents = True
-    num_tasks = None
-
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: RLConfig) -> None:
         from spinwheel.rl.llm.agent_proxy import AgentConfig, load_agent
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -67,9 +47,6 @@ class AgentTasks:
                 ) from None
             raise ValueError(str(e).replace("--agent", "--agent-tasks", 1)) from None
         self.run_config = AgentConfig(timeout_s=config.agent_timeout_s)
-
-    def __call__(self, split: str) -> AgentTasks:
-        return self
 
     def tasks(self, seeds: Sequence[int], split: str, temperature: float) -> list[dict]:
         """The tasks of ``seeds`` with the temperature to sample at; a task function that fails stops the step."""
@@ -102,3 +79,33 @@ class AgentTasks:
 
         tasks = self.tasks(seeds, split, temperature)
         return play_agent_episodes(llm, self.agent, tasks, group_size, seed, step, self.run_config, should_stop)
+
+
+class AgentSource(EpisodeSource):
+    """The run's episode source under ``--agent``: each group is ``group_size`` runs of the agent on one task
+    (procedural tasks: ``num_train`` None), played by :class:`AgentTasks` instead of environments; the step's
+    seeds, its failure rules and held-out evaluation are :class:`~spinwheel.rl.llm.episode_source.EpisodeSource`'s."""
+
+    def __init__(
+        self, config: RLConfig, dims: ParallelDims | None, should_stop: Callable[[], bool] | None = None
+    ) -> None:
+        self.tasks = AgentTasks(config)
+        super().__init__(config, None, dims, should_stop)
+
+    def num_tasks(self, split: str) -> int | None:
+        return None
+
+    def max_model_len(self, context: int) -> int:
+        return min(self.config.max_episode_tokens or context, context)
+
+    def figures(self, episodes: list) -> dict[str, float]:
+        from spinwheel.rl.llm.agent_proxy import agent_metrics
+
+        return agent_metrics(episodes)  # model calls per run, runs whose calls did not chain
+
+    def groups(self, llm: Any, seeds: list[int], step: int, dims: Any, should_stop=None, figures=None, **kw) -> list:
+        """This rank's share of the groups: the agent's runs on the tasks of its share of ``seeds``."""
+        c, (first, count) = self.config, dp_share(len(seeds), dims)
+        t = c.temperature if kw.get("temperature") is None else kw["temperature"]
+        g, split = kw.get("group_size") or c.group_size, kw.get("split", "train")
+        return self.tasks.play(llm, seeds[first : first + count], step, c.seed, g, t, split, should_stop)

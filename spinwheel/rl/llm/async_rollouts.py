@@ -1,6 +1,5 @@
-"""Where a step's episodes come from: played now, on the trainer's own weights (:class:`SyncRollouts`, the
-synchronous loop), or by a producer thread that runs ahead of the trainer (:class:`RolloutProducer`, ``--max-staleness
-K``), as AReaL and PipelineRL overlap generation with training.
+"""The asynchronous :class:`~spinwheel.rl.llm.rollouts.Rollouts`: a producer thread that runs ahead of the trainer
+(:class:`RolloutProducer`, ``--max-staleness K``), as AReaL and PipelineRL overlap generation with training.
 
 The asynchronous schedule, in one process. *Version* v names the weights after v updates, which the synchronous loop
 samples step v with. The producer plays step s once version ``s − K`` is published (:class:`WeightBox`), on an engine
@@ -33,13 +32,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from spinwheel.engine import LLM
+from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode
+from spinwheel.rl.llm.rollouts import Rollout, module_mb
 from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
 
 KV_ON_UPDATE = ("keep", "recompute")  # what a weight swap does to the K/V of the sequences it finds running
@@ -47,37 +48,7 @@ POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
 MAX_RESTARTS = 3  # engine-process restarts within one step before the step fails
 
 
-@dataclass
-class Rollout:
-    """One step's episodes and the seconds spent on them: ``generate`` (sampling and environments), ``score``
-    (reward calls), and for the producer ``wait_weights`` (it waited for the version it needed) and
-    ``wait_rollout`` (the trainer waited for this batch)."""
-
-    step: int
-    episodes: list[Episode]
-    times: dict[str, float] = field(default_factory=dict)
-
-
 Play = Callable[..., tuple[list[Episode], float]]  # (step, llm=, token_versions=) -> (episodes, reward seconds)
-
-
-class SyncRollouts:
-    """The synchronous loop: the step's episodes are played when the trainer asks, on the engine that shares (or
-    gathers) the trainer's weights; after the update the engine takes the new weights."""
-
-    def __init__(self, play: Play, sync: Callable[[], None]) -> None:
-        self.play, self.sync = play, sync
-
-    def take(self, step: int) -> Rollout:
-        start = time.perf_counter()
-        episodes, score_s = self.play(step)
-        return Rollout(step, episodes, {"generate": time.perf_counter() - start - score_s, "score": score_s})
-
-    def publish(self, version: int, model: torch.nn.Module) -> None:
-        self.sync()
-
-    def close(self) -> None:
-        pass
 
 
 class Closed(Exception):
@@ -176,13 +147,18 @@ class RolloutProducer:
     ``step − max_ahead`` is published; :meth:`take` hands the trainer the next batch (or raises what the producer
     raised: a failed step fails the trainer's step, before any weight changed). ``engine``: an engine in this
     process, or an :class:`~spinwheel.rl.llm.rollout_engine.EngineProcess` (restarted when it dies, the step played
-    again). The trainer waits at most ``timeout_s`` for a batch."""
+    again). The trainer waits at most ``timeout_s`` for a batch. ``evaluation``: held-out episodes on an engine of
+    its own over the trainer's weights (:class:`EvalEngine`)."""
+
+    engine_copy_mb = 0.0
 
     def __init__(
         self, play: Play, engine: Any, first: int, end: int, max_ahead: int, kv: str = "keep",
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, evaluation: Callable[[int], list[Episode]] | None = None,
     ) -> None:  # fmt: skip
         self.play, self.first, self.end, self.max_ahead, self.timeout_s = play, first, end, max_ahead, timeout_s
+        self.evaluation = evaluation
+        self.llm = _EngineRef(engine)  # the engine (without its versions) the producer plays on
         self.box = WeightBox(first)
         remote = getattr(engine, "versioned", None)
         self.engine = remote(self.box, first, kv) if remote else VersionedEngine(engine, self.box, first, kv)
@@ -269,14 +245,20 @@ class RolloutProducer:
         self.box.publish(version, model)
 
     def figures(self) -> dict[str, float]:
-        """Cumulative counts for the step's record: weight swaps, groups whose KV a swap recomputed, and with the
-        engine process its restarts, the episodes played again and the weights copied to it (seconds, MiB)."""
+        """The step's figures: cumulative weight swaps and groups whose KV a swap recomputed, with the engine process
+        its restarts, the episodes played again and the weights copied to it (seconds, MiB); the last update's
+        bytes and load seconds."""
         e = self.engine
         out = {"weight_swaps": float(e.num_swaps), "kv_recomputed": float(e.num_recomputed)}
         if hasattr(e, "restarts"):
             out.update(engine_restarts=float(e.restarts), regenerated_samples=float(self.regenerated))
             out.update(weight_publish_s=e.publish_s, weight_publish_mb=e.published_bytes / 2**20)
+        out["sync_bytes"] = float(self.box.sent_bytes)  # the last update's (weight_sync.py)
+        out["sync_load_s"] = float(e.load_s)  # the last swap's seconds (in a child: its copy's)
         return out
+
+    def evaluate(self, num: int) -> list[Episode] | None:
+        return self.evaluation(num) if self.evaluation is not None else None
 
     def close(self) -> None:
         self.box.close()
@@ -290,21 +272,16 @@ class RolloutProducer:
             torch.set_num_threads(self.trainer_threads)
 
 
-def check_async_options(config: Any) -> None:
-    """One-line refusals of the producer's options where they cannot act (RLConfig calls this)."""
-    if config.max_staleness is None:
-        if config.kv_on_update != "keep" or config.rollout_engine != "thread":
-            raise ValueError("--kv-on-update and --rollout-engine act on the rollout producer: give --max-staleness K")
-
-
 def producer_threads(max_ahead: int) -> int:
     """The producer's torch threads: all of them at K = 0 (no overlap: the synchronous numerics), half at K >= 1."""
     return torch.get_num_threads() if max_ahead == 0 else max(1, torch.get_num_threads() // 2)
 
 
-def make_producer(config: Any, play: Play, model: torch.nn.Module, tokenizer: Any, options: dict, first: int, end: int):
-    """(an object whose ``.engine.model`` has the engine copy's size, the producer) of ``--max-staleness``: the
-    engine on a copy of ``model``'s weights, in this process or (``--rollout-engine process``) in a child."""
+def make_producer(
+    config: RLConfig, source: Any, model: torch.nn.Module, tokenizer: Any, options: dict, first: int, end: int
+) -> RolloutProducer:
+    """The producer of ``--max-staleness``: the engine on a copy of ``model``'s weights, in this process or
+    (``--rollout-engine process``) in a child; evaluation on an engine of its own over ``model``."""
     k, kv, timeout = config.max_staleness, config.kv_on_update, config.parallel.timeout_s
     if config.rollout_engine == "process":
         from spinwheel.rl.llm.rollout_engine import EngineProcess
@@ -313,7 +290,26 @@ def make_producer(config: Any, play: Play, model: torch.nn.Module, tokenizer: An
         engine: Any = EngineProcess(model, tokenizer, options, first, kv, producer_threads(k), timeout, wrap)
     else:
         engine = LLM(copy.deepcopy(model).requires_grad_(False), tokenizer, **options).engine
-    return _EngineRef(engine), RolloutProducer(play, engine, first, end, k, kv, timeout)
+    evaluation = EvalEngine(source, model, tokenizer, options)
+    producer = RolloutProducer(source.play, engine, first, end, k, kv, timeout, evaluation)
+    producer.engine_copy_mb = module_mb(engine.model)
+    return producer
+
+
+class EvalEngine:
+    """Evaluation beside the producer: an engine of its own on the trainer's weights (``model``), built at the
+    first evaluation and given the current weights at each later one."""
+
+    def __init__(self, source: Any, model: torch.nn.Module, tokenizer: Any, options: dict) -> None:
+        self.source, self.model, self.tokenizer, self.options = source, model, tokenizer, options
+        self.llm: LLM | None = None
+
+    def __call__(self, num: int) -> list[Episode]:
+        if self.llm is None:
+            self.llm = LLM(self.model, self.tokenizer, **self.options)
+        else:
+            self.llm.update_weights(self.model)  # updated since the last evaluation
+        return self.source.held_out(self.llm, num)
 
 
 @dataclass

@@ -7,11 +7,12 @@ the algorithm is the command's choice (``algo``). Defaults follow the measured r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from spinwheel.config import check_ranges, option, redefault
 from spinwheel.engine.config import EngineConfig
+from spinwheel.rl.llm.algorithm_options import AGENT_ALGOS, ALGORITHM_OPTIONS, OPTIONS
 from spinwheel.train.run_config import RunConfig
 
 RL_ENGINE_DEFAULTS = {"cpu_packed_weights": False}  # where the RL loop's engine differs from EngineConfig's defaults
@@ -215,13 +216,7 @@ class RLConfig(RunConfig):
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(**RL_ENGINE_DEFAULTS), metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        from spinwheel.rl.llm.agent_run import check_agent_options
-        from spinwheel.rl.llm.algorithms import ALGORITHM_OPTIONS, ALGORITHMS  # the registry imports this module
-        from spinwheel.rl.llm.async_rollouts import check_async_options
-
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"--algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
-        ALGORITHMS[self.algo].check(self, ALGORITHM_OPTIONS)
+        check_algorithm_options(self)
         super().__post_init__()
         check_ranges(
             self,
@@ -267,3 +262,42 @@ class RLConfig(RunConfig):
     @property
     def updates_per_step(self) -> int:
         return self.epochs * self.minibatches
+
+
+def check_algorithm_options(config: RLConfig) -> None:
+    """Refuse (one line) an unknown algorithm, or an option that does not act for the run's algorithm but was set
+    away from its default."""
+    if config.algo not in OPTIONS:
+        raise ValueError(f"--algo must be one of {', '.join(OPTIONS)}, got {config.algo!r}")
+    own, defaults = OPTIONS[config.algo], {f.name: f.default for f in fields(config)}
+    for name in sorted(ALGORITHM_OPTIONS - own):
+        if getattr(config, name) != defaults[name]:
+            acting = ", ".join(sorted(own)) or "none"
+            raise ValueError(
+                f"--{name.replace('_', '-')} does not act for {config.algo} (its own options: {acting}); drop it"
+            )
+
+
+def check_async_options(config: RLConfig) -> None:
+    """One-line refusals of the rollout producer's options where they cannot act."""
+    if config.max_staleness is None:
+        if config.kv_on_update != "keep" or config.rollout_engine != "thread":
+            raise ValueError("--kv-on-update and --rollout-engine act on the rollout producer: give --max-staleness K")
+
+
+def check_agent_options(config: RLConfig) -> None:
+    """One-line refusals of what ``--agent`` does not combine with (:mod:`~spinwheel.rl.llm.agent_run`)."""
+    if config.agent is None:
+        if config.agent_tasks is not None:
+            raise ValueError("--agent-tasks gives the tasks of --agent: give --agent too")
+        return
+    if config.algo not in AGENT_ALGOS:
+        raise ValueError(f"--agent trains with {', '.join(AGENT_ALGOS)}, not {config.algo}")
+    if config.env is not None or config.data is not None or config.reward != "task" or config.reward_model:
+        raise ValueError(
+            "--agent takes its tasks and rewards from the agent: drop --env / --data / --reward / --reward-model"
+        )
+    if config.max_staleness is not None:
+        raise ValueError("--agent runs the synchronous loop: drop --max-staleness")
+    if not 0 < config.agent_timeout_s < float("inf"):
+        raise ValueError(f"--agent-timeout-s must be a number of seconds > 0, got {config.agent_timeout_s}")

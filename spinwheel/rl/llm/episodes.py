@@ -12,8 +12,8 @@ only the observation and the last partial block are prefilled (the verl AgentLoo
 token list, without their re-tokenisation).
 
 Seeds: every episode is a function of (run seed, step, env index, sample index) and the weights. A group's first turn
-is one request with ``n = G`` and seed ``sample_seed(seed, step, env index)``, exactly as ``generate_rollout``
-samples a single-turn prompt (so a one-step environment samples today's tokens); turn ``t ≥ 1`` of sample ``j`` is a
+is one request with ``n = G`` and seed ``sample_seed(seed, step, env index)``, exactly as the single-turn sampler
+before episodes did (so a one-step environment samples today's tokens); turn ``t ≥ 1`` of sample ``j`` is a
 request of its own with seed :func:`turn_seed`. The engine draws seeded samples from (seed, sample index, position)
 alone, so which episodes share a batch changes nothing.
 

@@ -22,31 +22,23 @@ from typing import Any
 
 import torch
 
-from spinwheel.engine import LLM
-from spinwheel.envs import EnvError
 from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.rl.llm.algorithms import ALGORITHMS, Algorithm, Parts
-from spinwheel.rl.llm.async_rollouts import RolloutProducer, SyncRollouts, make_producer
 from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm.engine_tp import EngineTP, check_engine_tp
-from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards, mean_info
-from spinwheel.rl.llm.episodes import EpisodesInterrupted
+from spinwheel.rl.llm.engine_tp import check_engine_tp
+from spinwheel.rl.llm.episode_tokens import episode_batch, episode_metrics, episode_rewards, mean_info
 from spinwheel.rl.llm.off_policy import off_policy_weights, staleness_figures, token_versions
-from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
-from spinwheel.rl.llm.rollout import gather_dp
-from spinwheel.rl.llm.rollout_play import serve_rollouts, step_seeds
-from spinwheel.rl.llm.rollout_ranks import Placement, placed, rollout_figures, trainer_rollouts
-from spinwheel.rl.llm.run_envs import PromptsEnv, play_share, run_environments
+from spinwheel.rl.llm.rollout_factory import make_rollouts, make_source
+from spinwheel.rl.llm.rollout_play import serve_rollouts
+from spinwheel.rl.llm.rollout_ranks import Placement, placed
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights
-from spinwheel.rl.llm.weight_sync import engine_sync_figures
-from spinwheel.train.interrupt import any_rank
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world
 from spinwheel.train.lora_run import AdaptersOff, check_one_process, load_run_model, start_figures
 from spinwheel.train.memory import PhasePeaks, release_free_memory
-from spinwheel.train.run import Run, StepFailed
+from spinwheel.train.run import Run
 
 
 def reuses_update_logprobs(config: RLConfig, algo: Algorithm, learner: Learner) -> bool:
@@ -100,7 +92,7 @@ class RLJob:
         load = dict(dtype=config.dtype, device=config.device, seed=config.seed, vocab_size=tokenizer.vocab_size)
         load["lazy"] = dims is not None  # the learners' models under torchrun: read as they are sharded (lazy_load)
         check_one_process(config, dims is not None, config.algo)
-        self.engine_tp_size, self.engine_tp = check_engine_tp(config, dims), None  # --engine-tp N: engine_tp.py
+        self.engine_tp_size = check_engine_tp(config, dims)  # --engine-tp N: engine_tp.py
         if config.max_staleness is not None and dims is not None and placement is None:
             raise ValueError("--max-staleness under torchrun needs --rollout-ranks R (generation on ranks of its own)")
         policy = load_run_model(config, run, **load)  # with --lora-rank: the base under adapters
@@ -119,21 +111,16 @@ class RLJob:
             self.learner.load(run.ckpt_dir, run.state)
         say = print if run.is_main else (lambda line: None)
         context = policy.config.max_position_embeddings
-        self.make_env, builtin = run_environments(config, tokenizer, context, say)
-        self.num_train = getattr(self.make_env("train"), "num_tasks", None)  # None: procedural episodes
-        self.num_eval = getattr(self.make_env("test"), "num_tasks", None)
+        self.source, builtin = make_source(config, tokenizer, context, say, dims, run.stop_requested)
+        self.num_train, self.num_eval = self.source.num_train, self.source.num_eval  # None: procedural episodes
         self.eval_key = "eval_exact_match" if builtin else "eval_reward"  # the built-in reward is exact match
         self.eval_label = "exact match" if builtin else "mean reward"
-        self.engine_options = dataclasses.asdict(config.engine)
-        self.engine_options.update(max_model_len=self._max_model_len(context), seed=config.seed)
-        self.rollouts = self.make_rollouts()
-        engine = self.engine_tp.shard if self.engine_tp is not None else self.llm.engine.model
-        shared = config.max_staleness is None and getattr(self.learner, "shares_weights", True)
-        shared = shared and self.engine_tp is None  # --engine-tp: the shards are a copy (a LoRA run's rank 0 may share)
-        self.engine_copy_mb = 0.0 if shared else sum(p.numel() * p.element_size() for p in engine.parameters()) / 2**20
+        options = dataclasses.asdict(config.engine)
+        options.update(max_model_len=self.source.max_model_len(context), seed=config.seed)
+        first, end = run.start_step, run.end_step
+        self.rollouts = make_rollouts(config, self.learner, tokenizer, options, self.source, placement, first, end)
         self.last_step_end: float | None = None
         self.on_policy = reuses_update_logprobs(config, self.algo, self.learner)
-        self.algo.capture = self.on_policy
         run.open_log(self.learner.is_main)
         if not run.resumed:
             counts = {"num_train": self.num_train, "num_eval": self.num_eval}
@@ -150,39 +137,6 @@ class RLJob:
         full = optim is not None and model.config.num_labels is None  # the policy (the saves: a LoRA one's adapter)
         copy = "all" if full and self.engine_tp_size == 1 else "main" if full and self.config.lora_rank else "none"
         return ParallelLearner(model, optim, self.config.parallel, self.dims, engine_copy=copy, temperature=t)
-
-    def _max_model_len(self, context: int) -> int:
-        """The engine's context: one-step episodes over prompts need the longest prompt and its completion (as
-        before environments: the same KV pool); other environments the episode's limit."""
-        c, env = self.config, self.make_env("train")
-        if isinstance(env, PromptsEnv):
-            prompts = [*env.prompts, *self.make_env("test").prompts]  # type: ignore[attr-defined]
-            return min(max(len(p.ids) for p in prompts) + c.max_new_tokens + 1, context)
-        return min(c.max_episode_tokens or context, context)
-
-    def make_rollouts(self) -> SyncRollouts | RolloutProducer:
-        """The synchronous loop's rollouts on an engine that generates with the trainer's weights, or with
-        ``--max-staleness`` the producer's, on an engine with a copy of them (the trainer updates its own in place
-        while the engine samples); evaluation then gets an engine of its own on the trainer's weights."""
-        model, c = self.learner.engine_model, self.config
-        if self.engine_tp_size > 1:  # one tensor-parallel engine over every rank, resharded into after each update
-            self.engine_tp = EngineTP(self.learner, self.tokenizer, self.engine_options, c.parallel.timeout_s)
-            self.llm = self.eval_llm = self.engine_tp.llm  # type: ignore[assignment]
-            return SyncRollouts(self.play, self.engine_tp.sync)
-        assert model is not None
-        if self.placement is not None:  # the rollout ranks play; this rank's engine only evaluates
-            return trainer_rollouts(self)  # type: ignore[return-value]
-        if c.max_staleness is None:
-            self.llm = self.eval_llm = LLM(model, self.tokenizer, **self.engine_options)
-            return SyncRollouts(self.play, self.sync_engine)
-        self.eval_llm = None
-        start, end = self.run.start_step, self.run.end_step
-        self.llm, producer = make_producer(c, self.play, model, self.tokenizer, self.engine_options, start, end)
-        return producer
-
-    def sync_engine(self) -> None:
-        self.learner.sync_engine_model()
-        self.llm.update_weights(self.learner.engine_model)  # ZeRO-1/2 write through flat buckets: repack explicitly
 
     def step(self, step: int) -> dict[str, Any]:
         """One rollout step: take the step's episodes (played now, or by the producer) → log-probs → advantages →
@@ -207,21 +161,20 @@ class RLJob:
         stale, fresh, figures = self.staleness(episodes, mask, step)
         keep = keep if fresh is None else keep * fresh  # rollouts more than K updates old are dropped
         times["logprobs"], mark = time.perf_counter() - mark, time.perf_counter()
-        algo.turn_rewards = batch["turn_rewards"]  # PPO's per-turn rewards
-        advantages = algo.prepare(rewards.to(mask.device), mask, inputs, old, ref)
+        advantages = algo.prepare(rewards.to(mask.device), mask, inputs, old, ref, batch["turn_rewards"])
         per_row = {**inputs, "mask": mask * keep[:, None], **advantages, **self.logprob_rows(old, ref, batch, stale)}
-        algo.captured.clear()
+        own: list[torch.Tensor] | None = [] if old is None else None  # the update's own log-probs stand in
         with peaks.phase("update"):
-            stats = algo.update(learner, per_row, step)
+            stats = algo.update(learner, per_row, step, own)
         release_free_memory()  # and the update's, not carried into the next generation
-        old = old if old is not None else torch.cat(algo.captured)  # the update's own forward: the rollout policy's
+        old = old if own is None else torch.cat(own)  # the update's own forward: the rollout policy's
         times["update"], mark = time.perf_counter() - mark, time.perf_counter()
         self.rollouts.publish(step + 1, learner.engine_model)
         times["sync"] = time.perf_counter() - mark
         record = self.record(rewards, mask, keep, old, ref, batch["engine_logprobs"], stats, times)
-        record.update(**figures, **episode_metrics(episodes), **self.overlap(start, times), **peaks.figures())
-        record.update(rollout_figures(self.rollouts))  # --rollout-ranks: the weight broadcast's seconds and MiB
-        record.update(engine_sync_figures(self.rollouts))  # sync to the producer's engine copy
+        record.update(**figures, **episode_metrics(episodes), **self.source.figures(episodes))
+        record.update(**self.overlap(start, times), **peaks.figures())
+        record.update(self.rollouts.figures())  # weight sync / broadcast, engine swaps (rollouts.py)
         return {**record, **metrics_since(learner.comm_metrics(), comm_before)}  # log-probs, updates, weight sync
 
     def staleness(self, episodes, mask, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
@@ -231,7 +184,6 @@ class RLJob:
             return None, None, {}
         versions = token_versions(episodes, mask.shape[1], step).to(mask.device)
         fresh, figures = staleness_figures(versions, mask, step, self.config.max_staleness)
-        figures.update(self.rollouts.figures())  # type: ignore[union-attr]
         return ((versions < step) & (mask != 0)).to(mask.dtype), fresh, figures
 
     def overlap(self, start: float, times: dict[str, float]) -> dict[str, float]:
@@ -243,36 +195,6 @@ class RLJob:
         wall, train = end - (last if last is not None else start), end - start - times["wait_rollout"]
         played = times["generate"] + times["score"]
         return {"time/step": wall, "time/train": train, "overlap": (played + train) / max(wall, 1e-9)}
-
-    def play(self, step: int, llm=None, token_versions=None) -> tuple[list[Episode], float]:
-        """The step's episodes, every rank's, and the seconds this rank spent in reward calls (on ``llm``, default
-        the run's; ``token_versions``: the producer's record of the version that sampled each token). A reward
-        function that fails (or a Ctrl-C while it runs) fails the step on every rank together, before any weight
-        changed (the harness saves the steps before it); so does a step whose episodes mostly fail."""
-        c, figures, error = self.config, {}, None
-        seeds = step_seeds(c, self.num_train, step)  # the same on every rank (rollout ranks too)
-        try:
-            stop, tp = self.run.stop_requested, self.engine_tp  # --engine-tp: each engine's driver its share
-            share = lambda dims: play_share(  # noqa: E731
-                llm or self.llm, self.make_env, seeds, step, c, dims, stop, figures, token_versions=token_versions
-            )
-            mine = tp.play(lambda: share(tp.engines)) if tp is not None else share(self.dims)
-        except (RewardError, RewardInterrupted, EpisodesInterrupted) as e:
-            error = e
-        distributed = self.dims is not None
-        if any_rank(isinstance(error, KeyboardInterrupt), distributed):  # a Ctrl-C seen by any rank stops every rank
-            raise StepFailed(error if isinstance(error, KeyboardInterrupt) else EpisodesInterrupted("stopped"))
-        if any_rank(error is not None, distributed):
-            raise StepFailed(error or RewardError("the reward failed on another rank (that rank's log says why)"))
-        parts = self.engine_tp.share(mine) if self.engine_tp is not None else gather_dp(mine, self.dims)
-        episodes = [e for part in parts for e in part]
-        failed = [e for e in episodes if e.failed]
-        if 2 * len(failed) > len(episodes):
-            where = c.env or c.agent or "the run's prompts"
-            raise StepFailed(
-                EnvError(f"{len(failed)} of {len(episodes)} episodes of {where} failed: {failed[0].error}")
-            )
-        return episodes, figures.get("batch_step_s", 0.0)
 
     def logprob_rows(self, old, ref, batch, stale=None) -> dict[str, torch.Tensor]:
         """The per-row log-prob tensors the loss reads besides the algorithm's: reference, old (proximal) policy,
@@ -309,8 +231,7 @@ class RLJob:
             record["kl_ref"] = float((weights * kl_per_token(old, ref, c.kl_estimator)).sum())
         record.update({f"time/{phase}": seconds for phase, seconds in times.items()})
         record["tokens_per_s"] = float(mask.sum()) / max(sum(times.values()), 1e-9)
-        record["engine_copy_mb"] = self.engine_copy_mb
-        record.update(self.engine_tp.figures if self.engine_tp is not None else {})  # sync time, peak bytes per rank
+        record["engine_copy_mb"] = self.rollouts.engine_copy_mb
         return record
 
     def evaluate(self, step: int) -> float | None:
@@ -319,19 +240,9 @@ class RLJob:
         weights)."""
         c = self.config
         num = min(c.eval_examples, self.num_eval) if self.num_eval is not None else c.eval_examples
-        if not self.learner.is_main or num == 0:
-            if num and self.engine_tp is not None:
-                self.engine_tp.serve_evaluation()  # rank 0 evaluates on engine 0 (its ranks)
+        episodes = self.rollouts.evaluate(num) if num else None  # the main rank's (engine-TP ranks serve it)
+        if episodes is None:
             return None
-        seeds = list(range(num))
-        if self.eval_llm is None:  # with the producer: an engine of its own, on the trainer's weights
-            self.eval_llm = LLM(self.learner.engine_model, self.tokenizer, **self.engine_options)
-        elif self.eval_llm is not self.llm:
-            self.eval_llm.update_weights(self.learner.engine_model)  # updated since the last evaluation
-        play = lambda: play_share(  # noqa: E731
-            self.eval_llm, self.make_env, seeds, -1, c, None, split="test", group_size=1, temperature=0.0
-        )
-        episodes = self.engine_tp.play(play) if self.engine_tp is not None else play()
         episodes = [e for e in episodes if not e.failed]
         value = sum(e.reward for e in episodes) / max(1, len(episodes))
         figures = {f"eval_{k}": v for k, v in mean_info(episodes).items() if f"eval_{k}" != self.eval_key}

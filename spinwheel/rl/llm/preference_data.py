@@ -28,7 +28,9 @@ import torch
 from spinwheel.engine import LLM
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel.mesh import ParallelDims
-from spinwheel.rl.llm.rollout import Prompt, generate_rollout, prompts_from_task
+from spinwheel.rl.llm.episode_tokens import EpisodeConfig
+from spinwheel.rl.llm.prompts_env import play_prompts
+from spinwheel.rl.llm.rollout import Prompt, prompts_from_task
 from spinwheel.tasks.arithmetic import Example
 from spinwheel.tasks.data import describe_skipped, read_preference_jsonl
 
@@ -152,12 +154,15 @@ def sample_groups(
     reward: Callable[[str, str], float],
     dims: ParallelDims | None = None,
 ) -> SampledGroups:
-    """Sample ``group_size`` completions per prompt with the RL rollout sampler
-    (:func:`~spinwheel.rl.llm.rollout.generate_rollout`, as its step 0: the same seed formula, so one process and
+    """Sample ``group_size`` completions per prompt as the RL run's one-step episodes
+    (:func:`~spinwheel.rl.llm.prompts_env.play_prompts`, as its step 0: the same seed formula, so one process and
     any torchrun layout draw the same completions) and score each with ``reward(text, answer)``."""
-    rollout = generate_rollout(llm, prompts, 0, seed, group_size, max_new_tokens, temperature, top_p, dims)
-    rewards = [reward(t, p.answer) for t, p in zip(rollout.texts, rollout.row_prompts)]
-    return SampledGroups(prompts, group_size, rollout.completion_ids, rollout.texts, rewards)
+    config = EpisodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    episodes = play_prompts(llm, prompts, config, seed, 0, group_size, dims)
+    completions = [list(e.token_ids[e.prompt_len :]) for e in episodes]
+    texts = [e.turn_texts[0] for e in episodes]
+    rewards = [reward(t, prompts[i // group_size].answer) for i, t in enumerate(texts)]
+    return SampledGroups(prompts, group_size, completions, texts, rewards)
 
 
 def self_generated_pairs(groups: SampledGroups, max_pairs_per_prompt: int = 1) -> list[PreferencePair]:

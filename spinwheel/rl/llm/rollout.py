@@ -1,5 +1,6 @@
-"""Rollouts: the step's prompts, G sampled completions each from the engine over the trainer's current weights,
-and the right-padded token batch the trainer takes.
+"""The rollout's shared pieces: prompts, the sampling seeds, the data-parallel share of a step and its gather, and
+the right-padded token batch of one-step rollouts (the samples themselves are episodes:
+:mod:`~spinwheel.rl.llm.episodes`, :mod:`~spinwheel.rl.llm.prompts_env`).
 
 Seeds: request ``(step, prompt p)`` is sampled with seed ``sample_seed(run seed, step, p)`` and the engine derives
 sample j's generator from (that seed, j) — so each completion is a function of (run seed, step, prompt index,
@@ -22,7 +23,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.parallel.mesh import ParallelDims
 
@@ -84,57 +84,6 @@ def gather_dp(mine: T, dims: ParallelDims | None) -> list[T]:
     for r, part in gathered:  # type: ignore[misc]
         by_dp.setdefault(r, part)
     return [by_dp[r] for r in range(dims.dp_axis.size)]
-
-
-def generate_share(
-    llm: LLM, prompts: list[Prompt], params: list[SamplingParams]
-) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """Sample each prompt with its ``params`` on ``llm``: the completions' token ids, engine log-probs and texts,
-    prompt-major."""
-    outs = llm.generate([list(p.ids) for p in prompts], params)
-    ids, logps, texts = [], [], []
-    for p, out in zip(prompts, outs):
-        if out.error:
-            raise ValueError(f"rollout of prompt {p.text!r} failed: {out.error}")
-        for c in sorted(out.outputs, key=lambda c: c.index):
-            ids.append(list(c.token_ids))
-            logps.append([lp[t] for t, lp in zip(c.token_ids, c.logprobs or [])])
-            texts.append(c.text)
-    return ids, logps, texts
-
-
-def generate_rollout(
-    llm: LLM,
-    prompts: list[Prompt],
-    step: int,
-    seed: int,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    dims: ParallelDims | None = None,
-) -> Rollout:
-    """The step's global rollout; under torchrun each data-parallel rank samples its contiguous share of the
-    prompts (the last shares may be shorter), then every rank receives every share (collective over the world)."""
-    first, count = dp_share(len(prompts), dims)
-    own = prompts[first : first + count]
-    params = [
-        SamplingParams(
-            n=group_size,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_new_tokens,
-            seed=sample_seed(seed, step, first + k),  # the prompt's global index: the same samples on any layout
-            logprobs=0,
-            logprobs_mode="processed",  # of the tempered distribution the tokens were drawn from
-        )
-        for k in range(len(own))
-    ]
-    parts = gather_dp(generate_share(llm, own, params), dims)
-    ids = [row for part in parts for row in part[0]]
-    logps = [row for part in parts for row in part[1]]
-    texts = [row for part in parts for row in part[2]]
-    return Rollout(prompts, group_size, ids, logps, texts)
 
 
 def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """A rollout rank's side of the disaggregated placement (:mod:`~spinwheel.rl.llm.rollout_ranks`, whose docstring
 describes the schedule): the engine, the receiver thread that takes each weight broadcast into a
 :class:`~spinwheel.rl.llm.async_rollouts.WeightBox`, and the loop that plays the rank's share of each step and sends
-it to trainer rank 0. :func:`step_seeds` is the environments' seeds of a step, the same on every rank and in one
-process (:meth:`~spinwheel.rl.llm.loop.RLJob.play` uses it too).
+it to trainer rank 0, with the seeds of :func:`~spinwheel.rl.llm.episode_source.step_seeds` (the same on every
+rank and in one process).
 
 A rollout rank waits for the trainer at most twice ``--timeout-s``: the next weights come after the slowest rollout
 rank's batch (which the trainer itself waits for at most ``--timeout-s``) and the trainer's update (and, every
@@ -26,9 +26,9 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.rl.llm.async_rollouts import Closed, VersionedEngine, WeightBox, _EngineRef
 from spinwheel.rl.llm.config import RLConfig
+from spinwheel.rl.llm.episode_source import step_seeds
 from spinwheel.rl.llm.episodes import EpisodesInterrupted
 from spinwheel.rl.llm.rewards import RewardError, RewardInterrupted
-from spinwheel.rl.llm.rollout import sample_seed
 from spinwheel.rl.llm.rollout_ranks import STOP, Placement
 from spinwheel.rl.llm.rollout_wire import (
     EPISODES,
@@ -42,15 +42,6 @@ from spinwheel.rl.llm.rollout_wire import (
 )
 from spinwheel.rl.llm.run_envs import play_share, run_environments
 from spinwheel.train.interrupt import Interrupted, StopOnSignal
-from spinwheel.train.sft_data import batch_indices
-
-
-def step_seeds(config: RLConfig, num_train: int | None, step: int) -> list[int]:
-    """The seeds of step ``step``'s environments: with a fixed set of ``num_train`` tasks, epochs of a seeded order
-    (as the prompts were drawn); procedural environments (``None``), a fresh seed per environment."""
-    if num_train:
-        return batch_indices(step, config.prompts_per_step, num_train, config.seed)
-    return [sample_seed(config.seed, step, k) for k in range(config.prompts_per_step)]
 
 
 class WeightReceiver:

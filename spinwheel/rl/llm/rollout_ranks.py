@@ -39,7 +39,6 @@ from spinwheel.envs import EnvError
 from spinwheel.parallel.comm import Comm
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.run_group import set_run_group
-from spinwheel.rl.llm.async_rollouts import Rollout
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.rewards import RewardError
 from spinwheel.rl.llm.rollout_wire import (
@@ -53,6 +52,7 @@ from spinwheel.rl.llm.rollout_wire import (
     wait,
     weight_tensors,
 )
+from spinwheel.rl.llm.rollouts import Rollout
 from spinwheel.train.interrupt import Interrupted
 from spinwheel.train.run import StepFailed
 
@@ -190,13 +190,20 @@ def placed(config: RLConfig, distributed: bool) -> Iterator[Placement | None]:
 
 
 class RemoteRollouts:
-    """The trainers' side (what :class:`~spinwheel.rl.llm.async_rollouts.SyncRollouts` is in one process): trainer
-    rank 0 receives the step batches from the rollout ranks and hands them to the other trainer ranks, and after
-    each update broadcasts the new weights (every trainer rank first syncs its engine copy: a collective where the
-    layout shards the weights)."""
+    """The trainers' :class:`~spinwheel.rl.llm.rollouts.Rollouts`: trainer rank 0 receives the step batches from the
+    rollout ranks and hands them to the other trainer ranks, and after each update broadcasts the new weights (every
+    trainer rank first syncs its engine copy, ``sync_eval``: a collective where the layout shards the weights).
+    Trainer rank 0 evaluates on its own engine (``llm``, over the trainer's weights) with ``source``'s held-out
+    episodes; ``counts``: the rollout ranks' engine counts are step figures (``--max-staleness``)."""
 
-    def __init__(self, place: Placement, model: torch.nn.Module, first: int, end: int, sync_eval, context: int) -> None:
+    engine_copy_mb = 0.0
+
+    def __init__(
+        self, place: Placement, model: torch.nn.Module, first: int, end: int, sync_eval, context: int,
+        source: Any = None, llm: Any = None, counts: bool = True,
+    ) -> None:  # fmt: skip
         self.place, self.sync_eval, self.context = place, sync_eval, context
+        self.source, self.llm, self.show_counts = source, llm, counts
         self.main = place.rank == 0
         self.counts = {"weight_swaps": 0.0, "kv_recomputed": 0.0}  # the rollout ranks' engines' so far
         self.broadcast: dict[str, float] = {}  # the last weight broadcast's seconds and MiB
@@ -261,8 +268,12 @@ class RemoteRollouts:
         return Rollout(step, episodes, times), counts
 
     def figures(self) -> dict[str, float]:
-        """The rollout ranks' weight swaps and KV recomputations so far (beside the staleness figures)."""
-        return dict(self.counts)
+        """The last weight broadcast's seconds and MiB, and (``counts``) the rollout ranks' weight swaps and KV
+        recomputations so far."""
+        return {**(self.counts if self.show_counts else {}), **self.broadcast}
+
+    def evaluate(self, num: int) -> list | None:
+        return self.source.held_out(self.llm, num) if self.main else None
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         """Every trainer rank: the engine copies take the new weights (``model``: trainer rank 0's); then trainer
@@ -276,18 +287,3 @@ class RemoteRollouts:
 
     def close(self) -> None:
         pass  # the run's end reaches the rollout ranks from :func:`placed`
-
-
-def trainer_rollouts(job) -> RemoteRollouts:
-    """The :class:`RemoteRollouts` of an :class:`~spinwheel.rl.llm.loop.RLJob` on trainer rank 0 (its engine
-    evaluates)."""
-    from spinwheel.engine import LLM
-
-    model, run, options = job.learner.engine_model, job.run, job.engine_options
-    job.llm = job.eval_llm = LLM(model, job.tokenizer, **options)
-    return RemoteRollouts(job.placement, model, run.start_step, run.end_step, job.sync_engine, options["max_model_len"])
-
-
-def rollout_figures(rollouts) -> dict[str, float]:
-    """The last weight broadcast's seconds and MiB (nothing for the one-process rollouts)."""
-    return dict(getattr(rollouts, "broadcast", {}))

@@ -1,5 +1,4 @@
-"""The environments of an RL run: ``--env`` (:mod:`spinwheel.envs`), ``--agent`` (a black-box agent's runs:
-:mod:`~spinwheel.rl.llm.agent_run`), or — without them — one-step episodes over the
+"""The environments of an RL run: ``--env`` (:mod:`spinwheel.envs`), or — without it — one-step episodes over the
 run's prompts (the built-in task's splits or ``--data``, as :func:`~spinwheel.rl.llm.build.load_prompts` reads and
 filters them) scored by the run's reward (``--reward`` task or ``module:function``, TRL-style too, or
 ``--reward-model``), so every RL command plays episodes on one rollout path and a single-turn run samples and scores
@@ -8,13 +7,11 @@ exactly what it did before environments existed.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
 
 import torch
 
-from spinwheel.envs import Env, EnvFactory, OneStepEnv, load_env
+from spinwheel.envs import Env, EnvFactory, load_env
 from spinwheel.envs.chat import resolve_chat
 from spinwheel.envs.dataset import record_rewards
 from spinwheel.parallel.mesh import ParallelDims
@@ -22,37 +19,9 @@ from spinwheel.rl.llm.build import load_prompts
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode
 from spinwheel.rl.llm.episodes import EpisodeConfig, EpisodeGroup, run_episodes
+from spinwheel.rl.llm.prompts_env import PromptsEnv, Scorer
 from spinwheel.rl.llm.rewards import load_reward_fn, score
-from spinwheel.rl.llm.rollout import Prompt, dp_share
-
-Scorer = Callable[..., torch.Tensor]  # (prompts, completions, timeout_s=, should_stop=) -> (B,) rewards
-
-
-class PromptsEnv(OneStepEnv):
-    """One step over prepared prompts: ``reset(seed)`` is prompt ``seed % len(prompts)`` (its chat messages, or its
-    raw text: under ``--chat`` the episode renders it as the user's turn, as ``load_prompts`` counted its tokens),
-    ``step`` scores the answer with the run's scorer — for all episodes of a step in one call."""
-
-    name: ClassVar[str] = "prompts"
-
-    def __init__(self, prompts: Sequence[Prompt], scorer: Scorer, split: str = "train") -> None:
-        super().__init__(split)
-        self.prompts, self.scorer = prompts, scorer
-        self.num_tasks = len(prompts)
-        self.prompt: Prompt | None = None
-
-    def reset(self, seed: int) -> Any:
-        self.prompt = self.prompts[seed % len(self.prompts)]
-        messages = getattr(self.prompt.record, "messages", None)
-        return copy.deepcopy(messages) if messages is not None else self.prompt.text
-
-    @classmethod
-    def score_batch(cls, envs, texts, *, timeout_s=None, should_stop=None) -> list[float]:
-        prompts = [env.prompt for env in envs]
-        return envs[0].scorer(prompts, texts, timeout_s=timeout_s, should_stop=should_stop).tolist()
-
-    def info(self, reward: float) -> dict[str, float]:
-        return {}
+from spinwheel.rl.llm.rollout import dp_share
 
 
 def run_scorer(config: RLConfig) -> tuple[Scorer, bool]:
@@ -83,10 +52,6 @@ def run_environments(
     config: RLConfig, tokenizer, context: int, log: Callable[[str], None]
 ) -> tuple[Callable[[str], Env], bool]:
     """(a factory of the run's environments by split, whether the reward is the built-in exact match)."""
-    if config.agent is not None:  # a black-box agent's runs (agent_run.py)
-        from spinwheel.rl.llm.agent_run import AgentTasks
-
-        return AgentTasks(config), False  # type: ignore[return-value]
     chat = resolve_chat(config.chat, tokenizer, config.system_prompt)  # a bad --chat fails before anything runs
     if config.env is not None:
         factory: EnvFactory = load_env(config.env, config.env_arg, config.answer_extraction)
@@ -116,10 +81,6 @@ def play_share(
     played on ``llm``'s engine; gather them with :func:`~spinwheel.rl.llm.rollout.gather_dp`."""
     first, count = dp_share(len(seeds), dims)
     g = group_size or config.group_size
-    if getattr(make_env, "plays_agents", False):  # --agent: the agent's runs, not environments (agent_run.py)
-        t = config.temperature if temperature is None else temperature
-        share = seeds[first : first + count]
-        return make_env.play(llm, share, step, config.seed, g, t, split, should_stop)  # type: ignore[attr-defined]
     groups = [EpisodeGroup([make_env(split) for _ in range(g)], seeds[k], k) for k in range(first, first + count)]
     episode_config = EpisodeConfig(
         max_new_tokens=config.max_new_tokens,

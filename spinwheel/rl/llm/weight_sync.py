@@ -18,8 +18,6 @@ LoRA: its shards keep the base and each update writes every rank's slice of the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -45,15 +43,3 @@ def sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     """The bytes of a state dict's tensors: what one sync moves."""
     return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def engine_sync_figures(rollouts: Any) -> dict[str, float]:
-    """The last update's sync figures of a rollout source with an engine copy (the producer: its weight box and
-    versioned engine); empty for the synchronous loop, whose engine serves the trainer's own model."""
-    box, engine = getattr(rollouts, "box", None), getattr(rollouts, "engine", None)
-    if box is None or engine is None:
-        return {}
-    figures = {"sync_bytes": float(box.sent_bytes)}
-    if hasattr(engine, "load_s"):  # an engine in this process (one in a child reports its own publish figures)
-        figures["sync_load_s"] = float(engine.load_s)
-    return figures

@@ -4,7 +4,8 @@
 An algorithm
 
 * declares the options that act for it (``options``: fields of :class:`~spinwheel.rl.llm.config.RLConfig` beyond
-  the shared ones; the others are refused for its command) and where its command's defaults differ (``defaults``);
+  the shared ones, from the table in :mod:`~spinwheel.rl.llm.algorithm_options`; the others are refused for its
+  command) and where its command's defaults differ (``defaults``);
 * says whether it needs a frozen reference (``needs_reference``) and whether the update's own forward may stand in
   for the old policy's log-probs (``reuses_update_logprobs``; one update per rollout in one process);
 * turns a scored rollout batch into the per-row tensors its update reads (:meth:`prepare`: advantages, ...);
@@ -12,12 +13,14 @@ An algorithm
   ``minibatches`` optimizer steps; TRPO replaces it with its trust-region step);
 * saves and restores what it keeps beside the policy (:meth:`save` / :meth:`load`: PPO's critic).
 
-Adding one is a file with a subclass and a line in the registry (:mod:`spinwheel.rl.llm.algorithms`).
+Adding one is a file with a subclass, a line in the registry (:mod:`spinwheel.rl.llm.algorithms`) and its row of
+options (:mod:`~spinwheel.rl.llm.algorithm_options`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,11 +29,10 @@ import torch
 
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
+from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.token_losses import token_weights
 from spinwheel.train.learners import Learner, OptimConfig, minibatch_updates
 from spinwheel.train.optim import lr_at
-
-RLConfig = Any  # spinwheel.rl.llm.config.RLConfig, which imports the registry to validate its options
 
 
 @dataclasses.dataclass
@@ -56,9 +58,6 @@ class Algorithm:
 
     def __init__(self, config: RLConfig, parts: Parts) -> None:
         self.config = config
-        self.captured: list[torch.Tensor] = []  # the update's own log-probs, when they stand in for the old policy's
-        self.capture = False
-        self.turn_rewards: torch.Tensor | None = None  # (B, T) each turn's reward at its last sampled token (loop)
 
     @property
     def needs_reference(self) -> bool:
@@ -77,33 +76,38 @@ class Algorithm:
         inputs: Batch,
         old_logprobs: torch.Tensor | None,
         ref_logprobs: torch.Tensor | None,
+        turn_rewards: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-row tensors (B, T) the update reads, from rewards (B,) of the rollout batch (rows prompt-major,
-        groups of G), its completion ``mask`` (B, T) and the old / reference log-probs (None where not computed)."""
+        groups of G), its completion ``mask`` (B, T), the old / reference log-probs (None where not computed) and
+        ``turn_rewards`` (B, T): each turn's reward at its last sampled token (PPO's per-turn rewards)."""
         raise NotImplementedError
 
     def loss(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A micro-batch's contribution to the global loss (``mb["weights"]`` were computed on the minibatch)."""
         raise NotImplementedError
 
-    def _loss(self, out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if self.capture and out.logprobs is not None:
-            self.captured.append(out.logprobs.detach())
+    def _kept_loss(self, own: list[torch.Tensor], out: TokenOutputs, mb: Batch) -> tuple[torch.Tensor, dict]:
+        if out.logprobs is not None:
+            own.append(out.logprobs.detach())
         return self.loss(out, mb)
 
     def minibatch_done(self, mb: Batch, mask: torch.Tensor, lr_scale: float) -> dict[str, float]:
         """Called after each policy optimizer step (PPO steps its critic here); returns figures to average."""
         return {}
 
-    def update(self, learner: Learner, per_row: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    def update(
+        self, learner: Learner, per_row: dict[str, torch.Tensor], step: int, own: list[torch.Tensor] | None = None
+    ) -> dict[str, float]:
         """``epochs`` passes of ``minibatches`` optimizer steps over the rollout batch (the learner's
-        :func:`~spinwheel.train.learners.minibatch_updates`) on the run's learning-rate schedule; the mean figures."""
+        :func:`~spinwheel.train.learners.minibatch_updates`) on the run's learning-rate schedule; the mean figures.
+        ``own``: a list that takes the update's own log-probs (detached), where they stand in for the old policy's."""
         c = self.config
         total = c.steps * c.updates_per_step
         return minibatch_updates(
             learner,
             per_row,
-            self._loss,
+            self.loss if own is None else functools.partial(self._kept_loss, own),
             epochs=c.epochs,
             minibatches=c.minibatches,
             seed=(c.seed * 1_000_003 + step) * 97,
@@ -115,14 +119,3 @@ class Algorithm:
     def save(self, out_dir: Path, state: dict[str, Any]) -> None:
         """Write what the algorithm keeps beside the policy (before the policy's checkpoint: a checkpoint never
         points at a missing part)."""
-
-    @classmethod
-    def check(cls, config: RLConfig, algorithm_options: frozenset[str]) -> None:
-        """Refuse (one line) an option that does not act for this algorithm but was set away from its default."""
-        defaults = {f.name: f.default for f in dataclasses.fields(config)}
-        for name in sorted(algorithm_options - cls.options):
-            if getattr(config, name) != defaults[name]:
-                acting = ", ".join(sorted(cls.options)) or "none"
-                raise ValueError(
-                    f"--{name.replace('_', '-')} does not act for {cls.name} (its own options: {acting}); drop it"
-                )

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from spinwheel.parallel.trainer import Batch
-from spinwheel.rl.llm.algorithms.grpo import ASYNC, SURROGATE, GroupPolicyGradient
+from spinwheel.rl.llm.algorithm_options import OPTIONS
+from spinwheel.rl.llm.algorithms.grpo import GroupPolicyGradient
 from spinwheel.rl.llm.off_policy import cispo_loss
 from spinwheel.rl.llm.token_losses import _with_kl_penalty
 
@@ -18,7 +19,7 @@ class CISPO(GroupPolicyGradient):
     summary = (
         "CISPO (clipped stop-gradient importance weights on a REINFORCE term, group advantages) on engine rollouts"
     )
-    options = SURROGATE | ASYNC | {"kl_estimator", "scale_rewards"}
+    options = OPTIONS["cispo"]
     defaults = {"eps_low": 1.0}
 
     def token_loss(

@@ -19,15 +19,11 @@ import torch
 
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
+from spinwheel.rl.llm.algorithm_options import OPTIONS
 from spinwheel.rl.llm.algorithms.base import Algorithm
 from spinwheel.rl.llm.off_policy import off_policy_weights
 from spinwheel.rl.llm.token_advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
 from spinwheel.rl.llm.token_losses import grpo_loss
-
-# The clipped-surrogate options every member of the family takes.
-SURROGATE = frozenset({"beta", "eps_low", "eps_high", "epochs", "minibatches", "tis_cap", "loss_agg"})
-# Asynchronous rollouts and their sequence-level correction (token-level IS weights on the surrogate).
-ASYNC = frozenset({"max_staleness", "mis_cap", "rollout_ranks"})
 
 
 class GroupPolicyGradient(Algorithm):
@@ -36,7 +32,7 @@ class GroupPolicyGradient(Algorithm):
     kl_in_loss = True
     ratio_level = "token"  # GSPO: "sequence"
 
-    def prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs) -> dict[str, torch.Tensor]:
+    def prepare(self, rewards, mask, inputs, old_logprobs, ref_logprobs, turn_rewards=None) -> dict[str, torch.Tensor]:
         return {"advantages": self.advantages(rewards, mask, old_logprobs, ref_logprobs)}
 
     def advantages(self, rewards, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
@@ -82,13 +78,13 @@ class GroupPolicyGradient(Algorithm):
 class GRPO(GroupPolicyGradient):
     name = "grpo"
     summary = "GRPO (group-relative advantages; Dr. GRPO, clip-higher, dynamic sampling as options) on engine rollouts"
-    options = SURROGATE | ASYNC | {"kl_estimator", "scale_rewards"}
+    options = OPTIONS["grpo"]
 
 
 class RLOO(GroupPolicyGradient):
     name = "rloo"
     summary = "RLOO (leave-one-out baseline) on engine rollouts"
-    options = SURROGATE | ASYNC | {"kl_estimator"}
+    options = OPTIONS["rloo"]
 
     def advantages(self, rewards, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
         return rloo_advantages(rewards, self.config.group_size)[:, None] * mask
@@ -97,7 +93,7 @@ class RLOO(GroupPolicyGradient):
 class ReinforcePP(GroupPolicyGradient):
     name = "reinforce-pp"
     summary = "REINFORCE++ (KL in the reward, batch-whitened returns) on engine rollouts"
-    options = SURROGATE | ASYNC
+    options = OPTIONS["reinforce-pp"]
     kl_in_loss = False
 
     @property

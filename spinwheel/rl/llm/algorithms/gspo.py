@@ -8,13 +8,14 @@ defaults are ``--eps-low 3e-4 --eps-high 4e-4``.
 
 from __future__ import annotations
 
+from spinwheel.rl.llm.algorithm_options import OPTIONS
 from spinwheel.rl.llm.algorithms.grpo import GroupPolicyGradient
 
 
 class GSPO(GroupPolicyGradient):
     name = "gspo"
     summary = "GSPO (sequence-level importance ratio and clipping, group advantages) on engine rollouts"
-    options = frozenset({"beta", "kl_estimator", "eps_low", "eps_high", "scale_rewards", "epochs", "minibatches"})
+    options = OPTIONS["gspo"]
     defaults = {"eps_low": 3e-4, "eps_high": 4e-4}
     loss_agg = "seq-mean-token-mean"  # a row's weight is 1/G, its tokens average the sequence's log-ratio
     ratio_level = "sequence"

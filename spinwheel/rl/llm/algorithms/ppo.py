@@ -21,13 +21,13 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.transformer import scalar_head_model
 from spinwheel.parallel.token_outputs import TokenOutputs
 from spinwheel.parallel.trainer import Batch
+from spinwheel.rl.llm.algorithm_options import OPTIONS
 from spinwheel.rl.llm.algorithms.base import Algorithm, Parts
+from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.token_advantages import AdaptiveKLController, FixedKLController, token_gae, token_rewards, whiten
 from spinwheel.rl.llm.token_losses import clipped_policy_loss, clipped_value_loss, token_weights
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.learners import OptimConfig
-
-RLConfig = Any  # spinwheel.rl.llm.config.RLConfig, which imports the registry to validate its options
 
 
 class PPO(Algorithm):
@@ -35,10 +35,7 @@ class PPO(Algorithm):
 
     name = "ppo"
     summary = "PPO for LLMs (critic, token-level GAE, KL penalty to the reference) on engine rollouts"
-    options = frozenset(
-        {"beta", "eps_low", "eps_high", "epochs", "minibatches", "tis_cap", "loss_agg", "gamma", "lam", "critic_lr"}
-        | {"value_clip", "whiten_advantages", "kl_target", "kl_horizon", "max_staleness", "mis_cap", "rollout_ranks"}
-    )
+    options = OPTIONS["ppo"]
 
     def __init__(self, config: RLConfig, parts: Parts) -> None:
         super().__init__(config, parts)
@@ -75,12 +72,13 @@ class PPO(Algorithm):
         inputs: Batch,
         old_logprobs: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
+        turn_rewards: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-row tensors for the update: whitened GAE advantages, value targets and the rollout-time values."""
         c = self.config
         values = self.critic.forward(inputs)["values"] * mask
         kl = (old_logprobs - ref_logprobs) * mask if ref_logprobs is not None else torch.zeros_like(mask)
-        scores = rewards if self.turn_rewards is None else self.turn_rewards  # per turn, at each turn's last token
+        scores = rewards if turn_rewards is None else turn_rewards  # per turn, at each turn's last token
         token_r = token_rewards(scores.to(mask.dtype), kl, mask, self.kl.value)
         advantages, returns = token_gae(token_r, values, mask, c.gamma, c.lam)
         if c.whiten_advantages:

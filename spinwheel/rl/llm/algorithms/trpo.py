@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spinwheel.engine.llm_engine import flush_denormal
 from spinwheel.parallel.mesh import ParallelError
+from spinwheel.rl.llm.algorithm_options import OPTIONS
 from spinwheel.rl.llm.algorithms.grpo import GroupPolicyGradient
 from spinwheel.rl.llm.token_losses import token_weights
 from spinwheel.rl.trpo import flat_grad, trust_region_step
@@ -178,13 +179,13 @@ class TRPO(GroupPolicyGradient):
 
     name = "trpo"
     summary = "TRPO for LLM policies (conjugate gradient on Fisher-vector products, KL trust region) on engine rollouts"
-    options = frozenset({"scale_rewards", "loss_agg", "max_kl", "cg_iters", "cg_damping", "fisher_fraction"})
+    options = OPTIONS["trpo"]
 
     @property
     def reuses_update_logprobs(self) -> bool:
         return False  # the surrogate's ratio needs the old policy before the step
 
-    def update(self, learner: Learner, per_row: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    def update(self, learner: Learner, per_row: dict[str, torch.Tensor], step: int, own=None) -> dict[str, float]:
         c = self.config
         batch = {k: v for k, v in per_row.items() if k != "mask"}
         batch["weights"] = token_weights(per_row["mask"], c.loss_agg, max_len=c.max_new_tokens)
