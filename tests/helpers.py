@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -25,7 +25,12 @@ from spinwheel.models import ModelConfig, Transformer
 from spinwheel.models.presets import preset_config
 from spinwheel.parallel import ParallelConfig, ParallelTrainer
 from spinwheel.parallel.mesh import ParallelDims
+from spinwheel.rl.llm.agent_proxy import agent_metrics
+from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards
 from spinwheel.rl.llm.rollout import Prompt, Rollout, dp_share, gather_dp, sample_seed
+from spinwheel.rl.llm.token_advantages import group_advantages
+from spinwheel.rl.llm.token_losses import grpo_loss, logprob_mismatch, token_weights
+from spinwheel.train.learners import LocalLearner
 from spinwheel.train.optim import ADAMW_BETAS, build_adamw, decays, lr_at
 
 # Spawned ranks import this module (they run `run_layouts`): the server's and the RL loop's imports stay inside the
@@ -399,3 +404,37 @@ def generate_rollout(
     logps = [row for part in parts for row in part[1]]
     texts = [row for part in parts for row in part[2]]
     return Rollout(prompts, group_size, ids, logps, texts)
+
+
+# ---- a plain GRPO update on recorded episodes (the agent tests' reference) ----------------------------------------
+
+
+def grpo_step(
+    learner: LocalLearner,
+    episodes: list[Episode],
+    group_size: int,
+    lr: float,
+    updates: int,
+    pad: int,
+    loss_agg: str = "token-mean",
+) -> dict:
+    """One GRPO update on agent episodes (group-major, ``group_size`` per task), written out plainly as the tests'
+    reference (the run loop does the same through its algorithm); the step's figures."""
+    rewards, keep = episode_rewards(episodes, group_size)
+    batch = episode_batch(episodes, pad)
+    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    old = learner.forward(inputs)["logprobs"]
+    advantages = group_advantages(rewards, group_size)
+    weights = token_weights(batch["mask"] * keep[:, None], loss_agg)  # type: ignore[arg-type]
+
+    def loss_fn(out: Any, _batch: Any) -> tuple[torch.Tensor, dict]:
+        return grpo_loss(out.logprobs, old, advantages, weights)
+
+    losses = [learner.train_step(inputs, loss_fn, lr).loss for _ in range(updates)]
+    mismatch = logprob_mismatch(old, batch["engine_logprobs"], batch["mask"])
+    return {
+        "loss": losses[-1],
+        "mismatch_max": float(mismatch["mismatch_max"]),
+        **episode_metrics(episodes),
+        **agent_metrics(episodes),  # type: ignore[arg-type]
+    }

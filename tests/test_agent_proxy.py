@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import grpo_step, run_cli
 
 import spinwheel
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.rl.llm.agent_calls import ModelCall, chain_calls
 from spinwheel.rl.llm.agent_proxy import AgentConfig, agent_metrics, load_agent, play_agent_episodes
-from spinwheel.rl.llm.agent_train import grpo_step, main
 from spinwheel.rl.llm.episode_tokens import episode_batch, episode_metrics, episode_rewards
 from spinwheel.rl.llm.episodes import turn_seed
 from spinwheel.train.learners import LocalLearner, OptimConfig
@@ -209,9 +210,13 @@ def test_calculator_agent_and_grpo_on_recorded_episodes_raises_the_reward():
     assert means[-1] > means[0] + 0.2, means
 
 
-def test_agent_train_command_bad_agent_is_one_line():
-    with pytest.raises(SystemExit, match="agent_train: error: --agent 'nope:f': cannot import nope"):
-        main(["--model", "test", "--agent", "nope:f", "--tasks", f"{EXAMPLE}:task"])
+def test_grpo_command_bad_agent_is_one_line(capfd):
+    """``spinwheel grpo --agent`` (the one GRPO loop: the short ``agent_train`` command is gone) refuses a spec it
+    cannot import in one line."""
+    proc = run_cli(["grpo", "--model", "test", "--agent", "nope:f", "--agent-tasks", f"{EXAMPLE}:task"], capfd)
+    assert proc.returncode != 0
+    assert re.search(r"error: --agent 'nope:f': cannot import nope", proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 DIGITS_AGENT = """
