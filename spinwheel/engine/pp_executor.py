@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.executor import PipelinedExecutor, Weights
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
-from spinwheel.engine.pp_lora import load_stage_weights, stage_part
+from spinwheel.engine.pp_lora import checked_update, load_stage_weights, stage_part
 from spinwheel.engine.pp_stage import (
     PPStep,
     StageModel,
@@ -41,7 +42,6 @@ from spinwheel.engine.pp_stage import (
     stage_pool_config,
     stage_state,
 )
-from spinwheel.engine.tp_executor import make_runner as make_tp_runner
 from spinwheel.engine.tp_worker import to_device
 from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, driver_steps, join_engine_group
 from spinwheel.models.transformer import Transformer
@@ -57,16 +57,7 @@ class PipelineParallelError(TensorParallelError):
     """A pipeline stage is gone or a transfer failed: the engine cannot step any more (close it)."""
 
 
-def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
-    """The engine's model runner: stage 0's with the executor that drives the other stages
-    (``pipeline_parallel_size`` > 1), else :func:`spinwheel.engine.tp_executor.make_runner`'s."""
-    if config.pipeline_parallel_size == 1:
-        return make_tp_runner(model, config, max_model_len)
-    executor = PPExecutor(model, config, max_model_len)
-    return executor.runner, executor
-
-
-class PPExecutor(WorkerProcesses):
+class PPExecutor(WorkerProcesses, PipelinedExecutor):
     """Spawns and drives the stages of a P-stage pipeline; ``runner`` is the driver's own stage (stage 0)."""
 
     kind, link, error_class = "pipeline stage", "a transfer between pipeline stages", PipelineParallelError
@@ -154,13 +145,18 @@ class PPExecutor(WorkerProcesses):
         except OSError as e:
             raise self.error(e) from e
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load the whole model's tensors ``state`` (checked: :func:`~spinwheel.engine.pp_lora.checked_update`):
-        stage 0's here at once, every other stage's part through its pipe, after the iterations in flight."""
-        parts = [stage_state(state, self.model_config, self.pp, s) for s in range(self.pp)]
+    def update_weights(self, model_or_state_dict: Weights) -> None:
+        """Load new weights, checked against the whole model first (:func:`~spinwheel.engine.pp_lora.checked_update`):
+        the driver's part here at once, every other rank's through its pipe, after the iterations in flight."""
+        state = checked_update(model_or_state_dict, self.runner.loras.full_model())  # type: ignore[attr-defined]
+        parts = self.weight_parts(state)
         copies = [{k: _compact(v) for k, v in part.items()} for part in parts[1:]]
         self.send(PPStep([], [], [], None), weights=[parts[0], *copies])
         load_stage_weights(self.runner, parts[0])
+
+    def weight_parts(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every rank's part of the whole model's tensors ``state``, in rank order: its stage's."""
+        return [stage_state(state, self.model_config, self.pp, s) for s in range(self.pp)]
 
     def collect(self) -> StepLogits:
         """The logits of the oldest iteration in flight, from the last stage."""

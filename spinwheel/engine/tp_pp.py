@@ -38,11 +38,9 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.pp_executor import PP_TIMEOUT_S, PPExecutor, _compact, _run_stage
-from spinwheel.engine.pp_executor import make_runner as make_pp_runner
-from spinwheel.engine.pp_lora import PPAdapterRegistry, load_stage_weights
+from spinwheel.engine.pp_executor import PP_TIMEOUT_S, PPExecutor, _run_stage
+from spinwheel.engine.pp_lora import PPAdapterRegistry
 from spinwheel.engine.pp_stage import (
-    PPStep,
     StageModel,
     StageRunner,
     check_pp_degree,
@@ -129,17 +127,6 @@ class TPStageRunner(StageRunner):
             raise self.executor.error(e) from e
 
 
-def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
-    """The engine's model runner and the executor driving the other ranks: stage 0's TP rank 0 with both degrees
-    > 1, else :func:`spinwheel.engine.pp_executor.make_runner`'s (one device, TP alone or PP alone)."""
-    if config.tensor_parallel_size == 1 or config.pipeline_parallel_size == 1:
-        return make_pp_runner(model, config, max_model_len)
-    if getattr(model, "tp_host", None) is not None:  # the RL loop's --engine-tp shards, in torchrun's ranks
-        raise ValueError("--engine-tp runs the RL engine in torchrun's ranks, without stages: leave its PP degree at 1")
-    executor = TPPPExecutor(model, config, max_model_len)
-    return executor.runner, executor
-
-
 class TPPPExecutor(PPExecutor):
     """Spawns and drives the T·P − 1 other ranks; ``runner`` is the driver's own (stage 0, TP rank 0)."""
 
@@ -201,10 +188,9 @@ class TPPPExecutor(PPExecutor):
                 )
         return None
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load the whole model's tensors ``state`` (checked by the engine): every rank gets its stage's part cut to
-        its TP slices (views here; copied for the pipes), the driver's loaded at once, the others' after the
-        iterations in flight."""
+    def weight_parts(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every rank's part of the whole model's tensors ``state``: its stage's tensors cut to its TP slices
+        (views here; copied for the pipes)."""
         if self.layout is None:
             self.layout = full_layout(self.model_config, self.axis, self.comm)
         parts = []
@@ -212,9 +198,7 @@ class TPPPExecutor(PPExecutor):
             stage, t = divmod(rank, self.tp)
             layout = stage_state(self.layout, self.model_config, self.pp, stage)  # type: ignore[arg-type]
             parts.append(own_slices(stage_state(state, self.model_config, self.pp, stage), layout, self.tp, t))
-        copies = [{k: _compact(v) for k, v in part.items()} for part in parts[1:]]
-        self.send(PPStep([], [], [], None), weights=[parts[0], *copies])
-        load_stage_weights(self.runner, parts[0])
+        return parts
 
 
 def rank_main(

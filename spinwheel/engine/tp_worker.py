@@ -151,30 +151,13 @@ def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
 class TPModelRunner(ModelRunner):
     """A :class:`ModelRunner` over a model shard: the same step on every rank, the logits gathered over the TP axis.
 
-    On the driver ``executor`` (:class:`~spinwheel.engine.tp_executor.TPExecutor`) ships each step to the workers
-    before it runs here, and names a dead worker when a collective fails."""
+    On the driver a :class:`~spinwheel.engine.executor.ShardedExecutor` ships each step to the other ranks before
+    it runs here (:meth:`execute`), as they run it on theirs."""
 
-    def __init__(
-        self, model: Transformer, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm, executor=None
-    ) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm) -> None:
         super().__init__(model, config, max_model_len)
-        self.axis, self.comm, self.executor = axis, comm, executor
+        self.axis, self.comm = axis, comm
         self.loras = TPAdapterRegistry(model, axis)  # each rank's slice of every adapter (tp_lora)
-
-    @torch.inference_mode()
-    def run(self, out) -> StepLogits | None:
-        moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        inputs = self.prepare_inputs(out.scheduled, out.block_tables) if out.scheduled else None
-        if inputs is None and not any(moves):
-            return None
-        if self.executor is None:
-            return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
-        cpu = to_device(inputs, torch.device("cpu")) if self.model.device.type != "cpu" else inputs
-        self.executor.send(Step(*moves, cpu, adapters=self.loras.take_pending()))  # type: ignore[arg-type]
-        try:
-            return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
-        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
-            raise self.executor.error(e) from e
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepLogits | None:

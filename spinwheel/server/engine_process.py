@@ -78,7 +78,7 @@ class EngineSpec:
         else:
             engine = engine_cls.from_pretrained(self.model, self.config, self.load_tokenizer())
         for name, path in self.loras.items():
-            engine.loras.add(name, path)
+            engine.add_lora(name, path)
         engine.output_processor.tokenizer = None
         return engine
 
