@@ -27,8 +27,8 @@ from torch import nn
 from spinwheel.engine import cpu_forward
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs
-from spinwheel.engine.pp_lora import PPAdapterRegistry, load_stage_weights
-from spinwheel.engine.tp_lora import AdapterShipment
+from spinwheel.engine.multi_lora import AdapterRegistry, AdapterShipment, Shard
+from spinwheel.engine.pp_lora import load_stage_weights
 from spinwheel.engine.tp_worker import checkpoint_config, pool_sizes
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import Block, RMSNorm, RotaryEmbedding, run_blocks
@@ -166,7 +166,8 @@ class StageRunner(ModelRunner):
 
     def __init__(self, model: StageModel, config: EngineConfig, max_model_len: int) -> None:
         super().__init__(model, dataclasses.replace(config, cpu_packed_weights=False), max_model_len)  # type: ignore
-        self.loras = PPAdapterRegistry(model, stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage))
+        layers = stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage)
+        self.loras = AdapterRegistry(model, Shard(model.full_config, layers))  # type: ignore[arg-type]
         if config.cpu_packed_weights and model.device.type == "cpu":
             cpu_forward.bound_primitive_caches(config.onednn_cache_capacity)
         if config.cpu_packed_weights and cpu_forward.supports(model):  # type: ignore[arg-type]

@@ -18,10 +18,11 @@ tensor the size of one layer's activation). The last stage gathers its vocabular
 group (:meth:`~spinwheel.engine.tp_worker.TPModelRunner.select_rows`) and its TP rank 0 sends them to the driver.
 
 LoRA adapters: the driver reads and checks them against the whole model and ships each rank its stage's layers'
-factors (:mod:`~spinwheel.engine.pp_lora`), which the rank slices like the layer they adapt
-(:mod:`~spinwheel.engine.tp_lora`). ``update_weights``: checked against the whole model (the pipeline engine's
-check), then each rank is sent its stage's tensors cut to its TP slices (:mod:`~spinwheel.engine.tp_update`'s
-layout), in the order of its pipe. A lost rank: :class:`~spinwheel.engine.pp_executor.PipelineParallelError` (a
+factors (:mod:`~spinwheel.engine.pp_lora`), which the rank slices like the layer they adapt (its registry's
+:class:`~spinwheel.engine.multi_lora.Shard` names its stage's layers and its TP axis). ``update_weights``: checked
+against the whole model (the pipeline engine's check), then each rank is sent its stage's tensors cut to its TP
+slices (:mod:`~spinwheel.engine.tp_update`'s layout), in the order of its pipe. A lost rank:
+:class:`~spinwheel.engine.pp_executor.PipelineParallelError` (a
 :class:`~spinwheel.engine.workers.TensorParallelError`) naming its stage and TP rank. On GPUs (not run on one yet)
 rank r runs on GPU r, the stages' groups are NCCL's and the hand-overs go through host memory over gloo, as the
 pipeline engine's.
@@ -38,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.multi_lora import AdapterRegistry, Shard
 from spinwheel.engine.pp_executor import PP_TIMEOUT_S, PPExecutor, _run_stage
-from spinwheel.engine.pp_lora import PPAdapterRegistry
 from spinwheel.engine.pp_stage import (
     StageModel,
     StageRunner,
@@ -49,7 +50,6 @@ from spinwheel.engine.pp_stage import (
     stage_pool_config,
     stage_state,
 )
-from spinwheel.engine.tp_lora import TPAdapterRegistry
 from spinwheel.engine.tp_update import Layout, full_layout, own_slices
 from spinwheel.engine.tp_worker import TPModelRunner, check_tp_degree
 from spinwheel.engine.workers import WorkerProcesses, join_engine_group
@@ -93,19 +93,6 @@ def shard_stage(
     return model
 
 
-class TPPPAdapterRegistry(PPAdapterRegistry):
-    """The adapters a rank serves: its stage's layers' factors (:class:`PPAdapterRegistry`), each sliced for its
-    TP rank like the layer it adapts (:class:`TPAdapterRegistry`'s wrappers and slices)."""
-
-    adaptable = TPAdapterRegistry.adaptable
-    wrapper = TPAdapterRegistry.wrapper
-    local_factors = TPAdapterRegistry.local_factors
-
-    def __init__(self, model: StageModel, layers: range, axis: Axis) -> None:
-        super().__init__(model, layers)
-        self.axis = axis
-
-
 class TPStageRunner(StageRunner):
     """A :class:`StageRunner` over a TP-split stage: the last stage's logits gathered over its TP group. On the
     driver ``executor`` names a lost rank when a collective of stage 0's forward fails."""
@@ -116,7 +103,7 @@ class TPStageRunner(StageRunner):
         super().__init__(model, dataclasses.replace(config, cpu_packed_weights=False), max_model_len)
         self.axis, self.comm, self.executor = axis, comm, None
         layers = stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage)
-        self.loras = TPPPAdapterRegistry(model, layers, axis)
+        self.loras = AdapterRegistry(model, Shard(model.full_config, layers, axis))  # type: ignore[arg-type]
 
     def stage_forward(self, inputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         try:

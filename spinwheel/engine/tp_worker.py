@@ -11,9 +11,9 @@ would (:func:`pool_sizes`), so the driver's block manager schedules exactly what
 A step is the same on every rank (:meth:`TPModelRunner.execute`): the block moves of the schedule, then the forward
 over the inputs the driver prepared, then the LM head on the sampled rows; the vocab slices of the logits are
 all-gathered, so the driver samples from the whole (R, V) logits as on one device. LoRA adapters added on the driver
-travel with the next step (``Step.adapters``) and each rank serves its shard's slice (:mod:`~spinwheel.engine.tp_lora`).
-New weights (``LLM.update_weights``) come as a message of their own, each rank's slices only, acknowledged once
-loaded (:mod:`~spinwheel.engine.tp_update`).
+travel with the next step (``Step.adapters``) and each rank serves its shard's slice
+(:mod:`~spinwheel.engine.multi_lora`). New weights (``LLM.update_weights``) come as a message of their own, each
+rank's slices only, acknowledged once loaded (:mod:`~spinwheel.engine.tp_update`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
-from spinwheel.engine.tp_lora import AdapterShipment, TPAdapterRegistry
+from spinwheel.engine.multi_lora import AdapterRegistry, AdapterShipment, Shard
 from spinwheel.engine.tp_update import receive_slices
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import RotaryEmbedding, Transformer
@@ -135,6 +135,15 @@ def shard_model(
     return model.eval()
 
 
+def full_config(local: ModelConfig, tp: int) -> ModelConfig:
+    """The whole model's config from a rank's (whose head counts are 1/tp of the model's: :func:`shard_model`)."""
+    return dataclasses.replace(
+        local,
+        num_attention_heads=local.num_attention_heads * tp,
+        num_key_value_heads=local.num_key_value_heads * tp,  # type: ignore[operator]
+    )
+
+
 def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int) -> EngineConfig:
     """``config`` with the block counts one device would get (ModelRunner's rules on the full model's block size),
     so a rank's pool holds as many blocks as one device's, each 1/N of the size."""
@@ -157,7 +166,8 @@ class TPModelRunner(ModelRunner):
     def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm) -> None:
         super().__init__(model, config, max_model_len)
         self.axis, self.comm = axis, comm
-        self.loras = TPAdapterRegistry(model, axis)  # each rank's slice of every adapter (tp_lora)
+        shard = Shard(full_config(model.config, axis.size), axis=axis)
+        self.loras = AdapterRegistry(model, shard)  # each rank's slice of every adapter (multi_lora)
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepLogits | None:

@@ -21,7 +21,7 @@ collective timeout (``--timeout-s``).
 
 With ``--lora-rank`` (under DDP, ZeRO-1/2 or ``--tp N``; the fully sharded layouts are refused for LoRA by
 :func:`~spinwheel.train.lora_run.check_one_process`) the shards get the frozen base once, at the start, and the
-policy's adapters are one adapter slot of every engine rank (:mod:`~spinwheel.engine.tp_lora`) that every request,
+policy's adapters are one adapter slot of every engine rank (:mod:`~spinwheel.engine.multi_lora`) that every request,
 rollouts and evaluation alike, runs through; each update moves the adapters alone (:class:`PolicyAdapter`,
 ``sync_bytes`` logged). Rank 0 keeps the trainer's model (DDP, ZeRO-1/2) or a copy (``--tp N``) to write the PEFT
 adapter at saves, as a LoRA run without ``--engine-tp`` does.
@@ -43,8 +43,8 @@ import torch.distributed as dist
 from spinwheel.engine import LLM
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.executor import ShardedExecutor
+from spinwheel.engine.multi_lora import AdapterRegistry
 from spinwheel.engine.tp_executor import TensorParallelError
-from spinwheel.engine.tp_lora import TPAdapterRegistry
 from spinwheel.engine.tp_reshard import Resharder, empty_shard, model_bytes
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_checkpoint_tp_degree, pool_sizes
 from spinwheel.parallel.comm import Comm
@@ -209,7 +209,7 @@ class EngineTP:
 
     # -- weight sync --------------------------------------------------------------------------------------------
     @property
-    def registry(self) -> TPAdapterRegistry:
+    def registry(self) -> AdapterRegistry:
         """This rank's adapters (over its shard)."""
         runner = self.llm.engine.runner if self.llm is not None else self.runner
         return runner.loras  # type: ignore[union-attr]
@@ -273,7 +273,7 @@ def lora_layer_names(model: torch.nn.Module) -> list[str]:
 
 
 class PolicyAdapter:
-    """The policy's LoRA adapters as one adapter slot of every engine rank (:mod:`~spinwheel.engine.tp_lora`), the
+    """The policy's LoRA adapters as one adapter slot of every engine rank (:mod:`~spinwheel.engine.multi_lora`), the
     slot requests that name no adapter run through; the engine shard keeps the frozen base. :meth:`sync` writes this
     rank's slice of the current adapters into the slot in place. The first sync installs it from the full factors
     (:meth:`~spinwheel.parallel.trainer.ParallelTrainer.full_state_dict` of the trained parameters alone: DDP /
@@ -309,7 +309,7 @@ class PolicyAdapter:
             n: (m.lora_A.weight.detach(), m.lora_B.weight.detach().float() * self.scaling[n]) for n, m in layers.items()
         }
 
-    def sync(self, registry: TPAdapterRegistry) -> int:
+    def sync(self, registry: AdapterRegistry) -> int:
         """This rank's slot holds the policy's current adapters; returns the adapters' bytes."""
         if self.name in registry.slots:
             registry.update(self.name, self.own_factors(), sliced=self.sliced)
