@@ -115,7 +115,7 @@ class PPExecutor(WorkerProcesses, PipelinedExecutor):
         self.runner.move(step)
         if inputs is None:
             return False
-        hidden = self.runner.stage_forward(inputs).contiguous().cpu()  # a no-op on CPU
+        hidden = self.first_stage(inputs)
         try:
             self._sends.append((Handle(dist.isend(hidden, self.next_rank, tag=_HIDDEN), self.timeout), hidden))
         except (RuntimeError, TimeoutError) as e:
@@ -124,6 +124,10 @@ class PPExecutor(WorkerProcesses, PipelinedExecutor):
         self.forwards += 1
         self.most_in_flight = max(self.most_in_flight, len(self._pending))
         return True
+
+    def first_stage(self, inputs: StepInputs) -> torch.Tensor:
+        """Stage 0's layers (the driver's) over the iteration's batch: the hidden states to send on, on the CPU."""
+        return self.runner.stage_forward(inputs).contiguous().cpu()  # a no-op on CPU
 
     def send(self, step: PPStep, weights: list[dict[str, torch.Tensor]] | None = None) -> None:
         """Send ``step`` to every stage, with its part of the adapters added since the last message and its part of

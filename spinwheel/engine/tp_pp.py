@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.model_runner import StepInputs
 from spinwheel.engine.multi_lora import AdapterRegistry, Shard
 from spinwheel.engine.pp_executor import PP_TIMEOUT_S, PPExecutor, _run_stage
 from spinwheel.engine.pp_stage import (
@@ -94,24 +95,15 @@ def shard_stage(
 
 
 class TPStageRunner(StageRunner):
-    """A :class:`StageRunner` over a TP-split stage: the last stage's logits gathered over its TP group. On the
-    driver ``executor`` names a lost rank when a collective of stage 0's forward fails."""
+    """A :class:`StageRunner` over a TP-split stage: the last stage's logits gathered over its TP group."""
 
     select_rows = TPModelRunner.select_rows
 
     def __init__(self, model: StageModel, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm) -> None:
         super().__init__(model, dataclasses.replace(config, cpu_packed_weights=False), max_model_len)
-        self.axis, self.comm, self.executor = axis, comm, None
+        self.axis, self.comm = axis, comm
         layers = stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage)
         self.loras = AdapterRegistry(model, Shard(model.full_config, layers, axis))  # type: ignore[arg-type]
-
-    def stage_forward(self, inputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        try:
-            return super().stage_forward(inputs, hidden)
-        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
-            if self.executor is None:
-                raise
-            raise self.executor.error(e) from e
 
 
 class TPPPExecutor(PPExecutor):
@@ -156,10 +148,16 @@ class TPPPExecutor(PPExecutor):
         first = shard_stage(model.config, pp, 0, parts.pop(), self.axis, self.comm, model.device)
         del state
         self.runner = TPStageRunner(first, runner_config, max_model_len, self.axis, self.comm)
-        self.runner.executor = self
         self.vocab = model.lm_head.out_features
         self.memory = [self.runner.memory(), *self.started()]  # per rank: layer and edge weights, KV cache (bytes)
         logger.info("tensor×pipeline-parallel engine: %d stages × %d TP ranks, per-rank memory %s", pp, tp, self.memory)
+
+    def first_stage(self, inputs: StepInputs) -> torch.Tensor:
+        """:meth:`PPExecutor.first_stage`; a collective of stage 0's forward that fails names the lost rank."""
+        try:
+            return super().first_stage(inputs)
+        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
+            raise self.error(e) from e
 
     def dead(self) -> str | None:
         """Which rank exited, if one did, by its stage and TP rank: one killed by a signal first (its peers then
