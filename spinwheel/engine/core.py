@@ -8,7 +8,8 @@ the step's outputs to its client; idle, it waits for a command. A client says wh
 (:meth:`~EngineCore.apply`), what a step returns and where it goes (:meth:`~EngineCore.step`,
 :meth:`~EngineCore.deliver`) and what a failed step does (:meth:`~EngineCore.step_failed`): the server's
 in-process engine thread (:class:`~spinwheel.server.async_engine.AsyncEngine`) and its engine process
-(:mod:`~spinwheel.server.engine_process`) are the two.
+(:mod:`~spinwheel.server.engine_process`) step while requests are unfinished; the RL loop's rollout engine process
+(:mod:`~spinwheel.rl.llm.rollout_engine`) steps when its producer asks (it plays the episodes), waiting on its pipe.
 """
 
 from __future__ import annotations
@@ -57,9 +58,8 @@ class EngineCore(ABC):
             self.apply(pending(self.commands))
             if self.stopped:
                 return
-            if not self.engine.has_unfinished_requests():
-                self.wake.wait(self.idle_wait_s)
-                self.wake.clear()
+            if not self.has_work():
+                self.wait()
                 continue
             t0 = time.monotonic()
             try:
@@ -68,6 +68,15 @@ class EngineCore(ABC):
                 self.step_failed(e)
                 continue
             self.deliver(outputs, time.monotonic() - t0)
+
+    def has_work(self) -> bool:
+        """Whether to step now: while any request is unfinished."""
+        return self.engine.has_unfinished_requests()
+
+    def wait(self) -> None:
+        """Wait for a command (at most ``idle_wait_s``)."""
+        self.wake.wait(self.idle_wait_s)
+        self.wake.clear()
 
     @abstractmethod
     def apply(self, commands: Iterator[tuple]) -> None:
