@@ -5,7 +5,7 @@ model on a GPU, stage r runs on GPU r and the transfers go through host memory; 
 (:mod:`~spinwheel.engine.pp_stage`). It spawns the P − 1 other stages itself, as
 :class:`~spinwheel.engine.tp_executor.TPExecutor` spawns its workers (the fork server; each stage gets only its own
 tensors, through shared memory). Per engine iteration (:meth:`PPExecutor.launch`) the driver pipes the block moves
-and the flat batch it prepared to every stage (:class:`~spinwheel.engine.pp_stage.PPStep`), runs its own layers and
+and the flat batch it prepared to every stage (:class:`~spinwheel.engine.tp_worker.Step`), runs its own layers and
 sends the hidden states on (``isend``: it does not wait); stage s receives from s − 1, runs its layers and sends to
 s + 1; the last stage sends the picked rows' logits back, which :meth:`PPExecutor.collect` receives. Every stage
 handles the iterations in the order they were launched, so several may be in flight at once:
@@ -33,7 +33,6 @@ from spinwheel.engine.executor import PipelinedExecutor, Weights
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
 from spinwheel.engine.pp_lora import checked_update, load_stage_weights, stage_part
 from spinwheel.engine.pp_stage import (
-    PPStep,
     StageModel,
     StageRunner,
     check_pp_degree,
@@ -42,7 +41,7 @@ from spinwheel.engine.pp_stage import (
     stage_pool_config,
     stage_state,
 )
-from spinwheel.engine.tp_worker import to_device
+from spinwheel.engine.tp_worker import Step, to_device
 from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, driver_steps, join_engine_group
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Handle
@@ -110,7 +109,7 @@ class PPExecutor(WorkerProcesses, PipelinedExecutor):
         if inputs is None and not any(moves):
             return False
         cpu = to_device(inputs, torch.device("cpu")) if self.runner.model.device.type != "cpu" else inputs
-        step = PPStep(*moves, cpu)  # type: ignore[arg-type]
+        step = Step(*moves, cpu)  # type: ignore[arg-type]
         self.send(step)
         self.runner.move(step)
         if inputs is None:
@@ -129,7 +128,7 @@ class PPExecutor(WorkerProcesses, PipelinedExecutor):
         """Stage 0's layers (the driver's) over the iteration's batch: the hidden states to send on, on the CPU."""
         return self.runner.stage_forward(inputs).contiguous().cpu()  # a no-op on CPU
 
-    def send(self, step: PPStep, weights: list[dict[str, torch.Tensor]] | None = None) -> None:
+    def send(self, step: Step, weights: list[dict[str, torch.Tensor]] | None = None) -> None:
         """Send ``step`` to every stage, with its part of the adapters added since the last message and its part of
         ``weights`` (per rank: rank r's is ``weights[r]``; rank r holds stage r // tp), if any
         (:mod:`~spinwheel.engine.pp_lora`)."""
@@ -155,7 +154,7 @@ class PPExecutor(WorkerProcesses, PipelinedExecutor):
         state = checked_update(model_or_state_dict, self.runner.loras.full_model())  # type: ignore[attr-defined]
         parts = self.weight_parts(state)
         copies = [{k: _compact(v) for k, v in part.items()} for part in parts[1:]]
-        self.send(PPStep([], [], [], None), weights=[parts[0], *copies])
+        self.send(Step([], [], [], None), weights=[parts[0], *copies])
         load_stage_weights(self.runner, parts[0])
 
     def weight_parts(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -177,7 +176,7 @@ class PPExecutor(WorkerProcesses, PipelinedExecutor):
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the stages (killing any that do not stop within ``timeout_s``) and leave the process group."""
-        self.stop_workers(PPStep([], [], [], None, stop=True), timeout_s)
+        self.stop_workers(Step([], [], [], None, stop=True), timeout_s)
         self._sends.clear()
         self._pending.clear()
 

@@ -6,7 +6,7 @@ shapes (a meta-device model: a bad adapter is the same one-line :class:`~spinwhe
 device, and no stage has changed), installs the factors of its own layers at once, and queues the adapter; the next
 message the driver sends each stage carries that stage's layers' factors (renumbered as the stage numbers its
 layers), which the stage installs in the driver's slot before anything else in the message. Rows reach every stage
-with their adapter slot: ``StepInputs.lora_slots`` travels in every :class:`~spinwheel.engine.pp_stage.PPStep`, and
+with their adapter slot: ``StepInputs.lora_slots`` travels in every :class:`~spinwheel.engine.tp_worker.Step`, and
 every stage (the last one too) applies its layers' adapters.
 
 Why an adapter is always there in time: a stage reads its pipe in order and runs each iteration before reading the

@@ -79,12 +79,14 @@ def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> No
 
 @dataclass
 class Step:
-    """What the driver sends each worker per step (vLLM's ``ExecuteModelRequest``): the schedule's block moves and
-    the flat batch the driver prepared (tensors on CPU; None when the step only moves blocks), or ``stop``; and the
-    LoRA adapters added on the driver since the last step, which every rank installs before the step's forward.
-    With ``weights`` (the names, shapes and dtypes of this worker's slices of new weights, whose bytes follow as
-    raw messages) it is an update, not a step: the worker reads them into its shard and acknowledges
-    (:mod:`~spinwheel.engine.tp_update`)."""
+    """What the driver sends every other rank per step, tensor-parallel worker or pipeline stage alike (vLLM's
+    ``ExecuteModelRequest``): the schedule's block moves and the flat batch the driver prepared (tensors on CPU;
+    None when the step only moves blocks), or ``stop``; and the LoRA adapters added on the driver since the last
+    step (a stage: its layers' part), which the rank installs before the step's forward. ``weights`` carries an
+    update: for a tensor-parallel worker the names, shapes and dtypes of its slices of new weights, whose bytes
+    follow as raw messages (an update, not a step: the worker reads them into its shard and acknowledges,
+    :mod:`~spinwheel.engine.tp_update`); for a stage its part's tensors, loaded before the step
+    (:mod:`~spinwheel.engine.pp_lora`)."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
@@ -92,7 +94,7 @@ class Step:
     inputs: StepInputs | None
     stop: bool = False
     adapters: list[AdapterShipment] = dataclasses.field(default_factory=list)
-    weights: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
+    weights: list[tuple[str, tuple[int, ...], torch.dtype]] | dict[str, torch.Tensor] | None = None
 
 
 def to_device(obj, device: torch.device):
