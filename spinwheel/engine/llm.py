@@ -15,6 +15,7 @@ import torch
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.executor import ExecutorFactory
+from spinwheel.engine.executor_factory import make_executor
 from spinwheel.engine.llm_engine import EngineStats
 from spinwheel.engine.outputs import RequestOutput
 from spinwheel.engine.pp_engine import engine_class
@@ -43,7 +44,7 @@ class LLM:
             check_checkpoint_tp_degree(model_or_path, config.tensor_parallel_size)  # before loading the weights
         engine = engine_class(config)  # the pipeline-parallel engine with pipeline_parallel_size > 1
         if isinstance(model_or_path, Transformer):
-            self.engine = engine(model_or_path, tokenizer, config, executor=executor)
+            self.engine = engine(model_or_path, tokenizer, config, executor=executor or make_executor)
         else:
             self.engine = engine.from_pretrained(model_or_path, config, tokenizer)
         self._counter = 0

@@ -48,12 +48,12 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         # builds what runs the model (default: the executor config asks for); the RL loop's --engine-tp passes its own
-        executor: ExecutorFactory | None = None,
+        executor: ExecutorFactory = make_executor,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        self.executor = (executor or make_executor)(model, config, self.max_model_len)
+        self.executor = executor(model, config, self.max_model_len)
         self.runner = self.executor.runner  # this process's part of the model (tp > 1: rank 0's shard)
         self.model = model = self.runner.model
         self.loras = self.runner.loras  # LoRA adapters served by name, unmerged: loras.add(name, adapter_dir)
