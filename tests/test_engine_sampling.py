@@ -276,7 +276,7 @@ def test_engine_accounting_under_random_requests_preemption_and_aborts(model, re
 
 
 def test_flush_denormal_is_scoped_to_the_step():
-    from spinwheel.engine.llm_engine import _denormals_flushed, flush_denormal
+    from spinwheel.engine.denormals import _denormals_flushed, flush_denormal
 
     assert not _denormals_flushed()
     with flush_denormal(True):

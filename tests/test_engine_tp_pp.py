@@ -18,6 +18,7 @@ of the module; the last one kills a rank.
 from __future__ import annotations
 
 import copy
+import functools
 import multiprocessing
 import os
 import random
@@ -30,6 +31,7 @@ from helpers import random_adapter, server_model, tiny_engine_model
 import spinwheel
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.engine.tp_executor import TensorParallelError
+from spinwheel.rl.llm.engine_tp import EngineTPExecutor
 
 pytestmark = [pytest.mark.distributed]
 
@@ -141,9 +143,9 @@ def test_degrees_the_model_cannot_be_split_by_fail_before_anything_starts():
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         LLM("test", tensor_parallel_size=3, pipeline_parallel_size=2)  # the preset's config, before any weight
     shard = tiny_engine_model(128)
-    shard.tp_host = object()  # the RL loop's --engine-tp shard: its ranks are torchrun's, it has no stages
+    rl_engine = functools.partial(EngineTPExecutor, None)  # the RL loop's --engine-tp: torchrun's ranks, no stages
     with pytest.raises(ValueError, match="--engine-tp runs the RL engine in torchrun's ranks, without stages"):
-        LLM(shard, tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=8)
+        LLM(shard, executor=rl_engine, tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=8)
     assert len(multiprocessing.active_children()) == before
 
 

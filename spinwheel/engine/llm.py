@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.executor import ExecutorFactory
+from spinwheel.engine.executor_factory import make_executor
 from spinwheel.engine.llm_engine import EngineStats
 from spinwheel.engine.outputs import RequestOutput
 from spinwheel.engine.pp_engine import engine_class
 from spinwheel.engine.sampling_params import SamplingParams
-from spinwheel.engine.tp_executor import TPExecutor
 from spinwheel.engine.tp_worker import check_checkpoint_tp_degree
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -26,8 +27,14 @@ from spinwheel.models.transformer import Transformer
 
 class LLM:
     def __init__(
-        self, model_or_path: Transformer | str | os.PathLike, tokenizer: Tokenizer | None = None, **engine_config: Any
+        self,
+        model_or_path: Transformer | str | os.PathLike,
+        tokenizer: Tokenizer | None = None,
+        executor: ExecutorFactory | None = None,
+        **engine_config: Any,
     ) -> None:
+        """``engine_config``: :class:`EngineConfig`'s fields; ``executor``: builds the engine's executor (default:
+        the one the config asks for; :class:`~spinwheel.engine.llm_engine.LLMEngine`)."""
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_config) - names)
         if unknown:
@@ -37,7 +44,7 @@ class LLM:
             check_checkpoint_tp_degree(model_or_path, config.tensor_parallel_size)  # before loading the weights
         engine = engine_class(config)  # the pipeline-parallel engine with pipeline_parallel_size > 1
         if isinstance(model_or_path, Transformer):
-            self.engine = engine(model_or_path, tokenizer, config)
+            self.engine = engine(model_or_path, tokenizer, config, executor=executor or make_executor)
         else:
             self.engine = engine.from_pretrained(model_or_path, config, tokenizer)
         self._counter = 0
@@ -111,27 +118,18 @@ class LLM:
     def add_lora(self, name: str, path: str | os.PathLike) -> None:
         """Serve the PEFT adapter in ``path`` as ``name``: requests with ``SamplingParams(lora=name)`` run through it,
         unmerged, in the same batches as the base's and other adapters' (:mod:`~spinwheel.engine.multi_lora`)."""
-        self.engine.loras.add(name, path)
+        self.engine.add_lora(name, path)
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
         """New weights from the trainer (in process); invalidates the prefix cache. Under tensor parallelism the
         full weights are resharded: each rank gets its slices (:mod:`~spinwheel.engine.tp_update`)."""
-        executor = self.engine.executor
-        if isinstance(executor, TPExecutor):
-            executor.update_weights(model_or_state_dict)
-            self.engine.scheduler.reset_prefix_cache()  # as one device's update_weights
-            self.engine.runner.install()
-        elif executor is not None and self.engine.config.pipeline_parallel_size == 1:  # the RL loop's --engine-tp
-            raise NotImplementedError("update_weights on the RL loop's engine shards: the loop reshards into them")
-        else:
-            self.engine.update_weights(model_or_state_dict)  # one device, or the pipeline engine's stages
+        self.engine.update_weights(model_or_state_dict)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def close(self) -> None:
         """Give the model its original attention kernels back (the KV cache is released with the engine) and stop
-        the tensor-parallel workers, if any."""
+        the executor's workers, if any."""
         self.engine.runner.uninstall()
-        if self.engine.executor is not None:
-            self.engine.executor.close()
+        self.engine.executor.close()

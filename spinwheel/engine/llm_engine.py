@@ -1,24 +1,26 @@
 """The engine loop a server drives: ``add_request`` / ``abort`` / ``step`` -> incremental :class:`RequestOutput`.
 
-``step`` is schedule (:mod:`~spinwheel.engine.scheduler`) -> run (:mod:`~spinwheel.engine.model_runner`: block moves
-and one forward) -> process the outputs: sample, fork parallel samples, advance beams, check stops
-(:mod:`~spinwheel.engine.output_processor`), free finished sequences and build the outputs.
+``step`` is schedule (:mod:`~spinwheel.engine.scheduler`) -> execute (the engine's
+:class:`~spinwheel.engine.executor.Executor`: block moves and one forward, on one device or over its ranks) -> process
+the outputs: sample, fork parallel samples, advance beams, check stops (:mod:`~spinwheel.engine.output_processor`),
+free finished sequences and build the outputs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
 
 import torch
 
 from spinwheel.engine.beam_search import beam_step
 from spinwheel.engine.block_manager import BlockManager
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.denormals import flush_denormal
+from spinwheel.engine.executor import ExecutorFactory
+from spinwheel.engine.executor_factory import make_executor  # one device, tensor- or pipeline-parallel, or both
 from spinwheel.engine.isolation import RequestFailures, failed_output, sample_isolated
 from spinwheel.engine.model_runner import StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
@@ -28,8 +30,6 @@ from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from spinwheel.engine.tp_pp import make_runner  # one device, tensor- or pipeline-parallel, or both
-from spinwheel.engine.tp_update import checked_state
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.threads import fit_threads
@@ -37,33 +37,24 @@ from spinwheel.threads import fit_threads
 logger = logging.getLogger(__name__)
 
 
-def _denormals_flushed() -> bool:
-    # torch has no getter: a computation whose result is denormal yields 0 exactly when flushing is on
-    return (torch.tensor([1e-30]) * 1e-10).item() == 0.0
-
-
-@contextlib.contextmanager
-def flush_denormal(enabled: bool) -> Iterator[None]:
-    """Flush denormals to zero inside the block, restoring the caller's setting afterwards."""
-    if not enabled or _denormals_flushed():
-        yield
-        return
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-
-
 class LLMEngine:
+    """Requests in, one step at a time (schedule -> execute on the :class:`~spinwheel.engine.executor.Executor` ->
+    process the outputs), their outputs back: what ``LLM``, the server's engine process and the RL rollouts drive."""
+
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+        *,
+        # builds what runs the model (default: the executor config asks for); the RL loop's --engine-tp passes its own
+        executor: ExecutorFactory = make_executor,
     ) -> None:
         self.config = config = config or EngineConfig()
-        self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        self.runner, self.executor = make_runner(model, config, self.max_model_len)  # tp > 1: rank 0's shard
+        self.executor = executor(model, config, self.max_model_len)
+        self.runner = self.executor.runner  # this process's part of the model (tp > 1: rank 0's shard)
         self.model = model = self.runner.model
         self.loras = self.runner.loras  # LoRA adapters served by name, unmerged: loras.add(name, adapter_dir)
         pool_tokens = self.runner.num_blocks * config.block_size
@@ -202,7 +193,7 @@ class LLMEngine:
         fit_threads()  # fewer threads while other processes hold cores (spinwheel.threads)
         with flush_denormal(self.config.flush_denormal):
             out = self.scheduler.schedule()
-            step = self.runner.run(out)
+            step = self.executor.execute_model(out)
             touched = self._process(out, step) if step is not None else {}
             return self._outputs(out, touched, stream)
 
@@ -340,11 +331,13 @@ class LLMEngine:
 
     # ---- weights ----
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
-        """Load new weights in place (from a model or a state dict) and drop the prefix cache, whose K/V were
-        computed with the old ones. Call between generations: running requests would mix old and new K/V."""
-        if model_or_state_dict is not self.model:  # checked whole first: a bad tensor is one line, nothing loaded
-            state = checked_state(model_or_state_dict, {k: (t.shape, None) for k, t in self.model.state_dict().items()})
-            with torch.no_grad():
-                self.model.load_state_dict(state, strict=False)
+        """Load new weights on every rank (from a model or a state dict, checked whole first: a bad tensor is one line
+        and nothing changes) and drop the prefix cache, whose K/V were computed with the old ones. Call between
+        generations: running requests would mix old and new K/V."""
+        self.executor.update_weights(model_or_state_dict)
         self.scheduler.reset_prefix_cache()
-        self.runner.install()
+
+    def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Serve the PEFT adapter in ``path`` as ``name``: requests with ``SamplingParams(lora=name)`` run through it,
+        unmerged, in the same batches as the base's and other adapters' (:mod:`~spinwheel.engine.multi_lora`)."""
+        self.executor.add_lora(name, path)

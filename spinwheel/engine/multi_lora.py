@@ -19,6 +19,18 @@ registers adapters by name (slot 0 is the base) from PEFT adapter directories ch
 step run through which adapter while the step's forward runs (:meth:`AdapterRegistry.active`). The K/V a request
 computes depend on its adapter, so the prefix cache keys blocks by adapter too (``namespace`` in
 :class:`~spinwheel.engine.block_manager.BlockManager`).
+
+One registry serves every layout: its :class:`Shard` says which part of the model this rank holds. A pipeline
+stage holds its layers' factors (renumbered as it numbers its layers); a tensor-parallel rank its slice of each
+factor, cut like the layer it adapts (:mod:`spinwheel.parallel.tensor_lora` does the same for training): on a
+column-parallel projection (q, k, v, gate, up) A whole and s·B's rows, on a row-parallel one (o, down) A's columns
+and s·B whole, whose term joins the rank's partial output before the layer's all-reduce, so the sum is
+``W x + s B A x`` exactly as on one device with no collective added. On a sharded engine the driver alone reads and
+checks a PEFT directory, against the whole model's shapes (a meta-device model: a bad adapter is the same one-line
+:class:`~spinwheel.models.lora.LoRAError` as on one device, and no rank has changed), installs its own part at once
+and queues the whole adapter (:meth:`AdapterRegistry.take_pending`); it travels with the next message the executor
+sends the other ranks, which install it in the driver's slot before that message's step, so ranks cannot disagree
+on an adapter's validity or slot.
 """
 
 from __future__ import annotations
@@ -32,9 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spinwheel.models.config import ModelConfig
 from spinwheel.models.lora import TARGETS, LoRAError, lora_layers
 from spinwheel.models.lora_io import read_adapter
 from spinwheel.models.transformer import Transformer
+from spinwheel.parallel.mesh import Axis
+from spinwheel.parallel.tensor import ColumnParallelLinear, RowParallelLinear, reduce_from_tp
+
+Factors = dict[str, tuple[torch.Tensor, ...]]  # ``layers.0.self_attn.q_proj`` -> (A, s·B)
 
 
 @dataclass
@@ -42,6 +59,43 @@ class ActiveRows:
     """The step's rows by adapter: (slot, row indices (R,) int64 into the flat batch, or None for every row)."""
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+@dataclass
+class AdapterShipment:
+    """One adapter as the driver ships it to the other ranks: its name, the slot every rank gives it, and its
+    factors by projection (whole; a stage's part once :func:`~spinwheel.engine.pp_lora.stage_part` cut them), on
+    CPU."""
+
+    name: str
+    path: str
+    slot: int
+    factors: Factors
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of the model a rank serves: all of it (``config`` None: one device), or of the whole model whose
+    config is ``config``, the global ``layers`` (a pipeline stage's; None: every layer), each split over ``axis``
+    (tensor parallelism; None: whole)."""
+
+    config: ModelConfig | None = None
+    layers: range | None = None
+    axis: Axis | None = None
+
+    def own_layers(self, factors: Factors) -> Factors:
+        """An adapter's factors of this shard's layers, renumbered from 0 as its model numbers them."""
+        return factors if self.layers is None else stage_factors(factors, self.layers)
+
+
+def stage_factors(factors: Factors, layers: range) -> Factors:
+    """An adapter's factors of the global ``layers``, renumbered from 0."""
+    out = {}
+    for key, value in factors.items():
+        _, index, target = key.split(".", 2)
+        if int(index) in layers:
+            out[f"layers.{int(index) - layers.start}.{target}"] = value
+    return out
 
 
 class LoRAProjection(nn.Linear):
@@ -75,27 +129,58 @@ class LoRAProjection(nn.Linear):
             else:
                 y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b))
 
+    def local_factors(self, a: torch.Tensor, b: torch.Tensor, axis: Axis | None) -> tuple[torch.Tensor, ...]:
+        """The part of an adapter's (A, s·B) this projection applies: all of it, or (a column-parallel shard of
+        ``axis``) A whole and s·B's rows of this shard, copied so that the slice alone stays."""
+        return (a, b) if axis is None else (a, b.chunk(axis.size, dim=0)[axis.rank].clone())
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={len(self.factors)}"
 
 
+class RowParallelLoRAProjection(LoRAProjection):
+    """A row-parallel projection (W and A split on the input features, s·B whole) plus its adapters: each row's
+    term joins the rank's partial output before the all-reduce; the bias is added once, after it."""
+
+    def __init__(self, base: RowParallelLinear, rows: ActiveRows) -> None:
+        super().__init__(base, rows)  # type: ignore[arg-type]
+        self.axis, self.comm = base.axis, base.comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = F.linear(x, self.weight)  # (..., out): this rank's partial sum
+        if self.rows.groups:
+            self.add_delta(x.reshape(-1, self.in_features), z.view(-1, self.out_features))
+        y = reduce_from_tp(z, self.axis, self.comm)
+        return y + self.bias if self.bias is not None else y
+
+    def local_factors(self, a: torch.Tensor, b: torch.Tensor, axis: Axis | None) -> tuple[torch.Tensor, ...]:
+        """A's columns of this shard, s·B whole."""
+        return a.chunk(axis.size, dim=1)[axis.rank].clone(), b  # type: ignore[union-attr]
+
+
 class AdapterRegistry:
-    """The adapters an engine serves over its model, by name; slot 0 is the base (no adapter)."""
+    """The adapters an engine rank serves over its model (its ``shard`` of the whole model), by name; slot 0 is the
+    base (no adapter), or :attr:`default` when set. On a sharded engine's driver :meth:`add` also queues each adapter
+    for the other ranks (:meth:`take_pending`), which :meth:`receive` it."""
 
     adaptable: tuple[type, ...] = (nn.Linear, LoRAProjection)  # the projections an adapter may target
 
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
+    def __init__(self, model: Transformer, shard: Shard | None = None) -> None:
+        self.model, self.shard = model, shard or Shard()
         self.slots: dict[str, int] = {}
         self.paths: dict[str, str] = {}
         self.rows = ActiveRows()
+        self.pending: list[AdapterShipment] = []  # whole adapters the other ranks have not been sent yet
+        self.default: str | None = None  # the adapter requests naming none run through (the RL policy's)
+        self._full: Transformer | None = None
 
     @property
     def names(self) -> list[str]:
         return list(self.slots)
 
     def slot(self, name: str | None) -> int:
-        """The slot of adapter ``name`` (0 for None, the base); an unknown name is a ValueError."""
+        """The slot of adapter ``name`` (None: :attr:`default`'s, or 0, the base); an unknown name is a ValueError."""
+        name = self.default if name is None else name
         if name is None:
             return 0
         if name not in self.slots:
@@ -103,15 +188,40 @@ class AdapterRegistry:
             raise ValueError(f"unknown LoRA adapter '{name}' (the engine serves: {known})")
         return self.slots[name]
 
-    def add(self, name: str, path: str | os.PathLike) -> None:
-        """Serve the PEFT adapter in ``path`` as ``name``. It is checked against the model before anything changes:
-        one whose base differs is a one-line :class:`LoRAError`. Names are never reused (the prefix cache keys K/V by
-        adapter name, so another adapter under an old name would read stale K/V)."""
-        self.install(name, str(path), self.read(name, path, self.model))
+    def full_model(self) -> Transformer:
+        """What adapters are checked against: the served model, or (a shard) the whole model on the meta device."""
+        if self.shard.config is None:
+            return self.model
+        if self._full is None:
+            with torch.device("meta"):
+                self._full = Transformer(self.shard.config)
+        return self._full
 
-    def read(self, name: str, path: str | os.PathLike, model: Transformer) -> dict[str, tuple[torch.Tensor, ...]]:
-        """The adapter in ``path`` checked against ``model`` (the served model's shapes) for serving as ``name``:
-        its factors by projection (``layers.0.self_attn.q_proj`` -> (A, s * B in float32)); nothing changes."""
+    def add(self, name: str, path: str | os.PathLike) -> None:
+        """Serve the PEFT adapter in ``path`` as ``name`` (on a sharded engine: on this rank now, on the others from
+        the next message). It is checked against the whole model before anything changes: one whose base differs is
+        a one-line :class:`LoRAError`. Names are never reused (the prefix cache keys K/V by adapter name, so another
+        adapter under an old name would read stale K/V)."""
+        factors = self.read(name, path)
+        self.install(name, str(path), self.shard.own_layers(factors))
+        if self.shard.config is not None:
+            self.pending.append(AdapterShipment(name, str(path), self.slots[name], factors))
+
+    def take_pending(self) -> list[AdapterShipment]:
+        """The adapters added since the last message to the other ranks (the executor sends them with the next)."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def receive(self, shipment: AdapterShipment) -> None:
+        """On a rank other than the driver: serve an adapter the driver added (this rank's layers of it), in the
+        driver's slot."""
+        if shipment.slot != (slot := len(self.slots) + 1):
+            raise RuntimeError(f"adapter '{shipment.name}' arrived for slot {shipment.slot}, this rank's next: {slot}")
+        self.install(shipment.name, shipment.path, shipment.factors)
+
+    def read(self, name: str, path: str | os.PathLike) -> Factors:
+        """The adapter in ``path`` checked against the whole model (:meth:`full_model`) for serving as ``name``: its
+        factors by projection (``layers.0.self_attn.q_proj`` -> (A, s * B in float32)); nothing changes."""
         if not isinstance(name, str) or not name:
             raise LoRAError(f"a LoRA adapter needs a non-empty name, got {name!r}")
         if name in self.slots:
@@ -120,10 +230,11 @@ class AdapterRegistry:
             raise LoRAError(
                 "the engine's model carries trained LoRA layers already: serve adapters by name on a plain base model"
             )
+        model = self.full_model()
         config, tensors = read_adapter(model, path)
-        targets = [(i, TARGETS[t]) for i in range(len(self.model.layers)) for t in config.targets]
+        targets = [(i, TARGETS[t]) for i in range(len(model.layers)) for t in config.targets]
         for i, target in targets:
-            module = self.model.layers[i].get_submodule(target)
+            module = model.layers[i].get_submodule(target)
             if type(module) not in self.adaptable:
                 raise LoRAError(
                     f"layers.{i}.{target} is a {type(module).__name__}: multi-LoRA serving adapts plain nn.Linear "
@@ -137,24 +248,38 @@ class AdapterRegistry:
             for i, target in targets
         }
 
-    def install(self, name: str, path: str, factors: dict[str, tuple[torch.Tensor, ...]]) -> None:
-        """Serve ``factors`` (:meth:`read`'s) as adapter ``name`` in the next slot, on the projections they name."""
+    def install(self, name: str, path: str, factors: Factors) -> None:
+        """Serve ``factors`` (this shard's layers of :meth:`read`'s) as adapter ``name`` in the next slot, on the
+        projections they name, each its part of them."""
         slot = len(self.slots) + 1
         for key, (a, b) in factors.items():
             _, index, target = key.split(".", 2)
             proj = self._wrap(int(index), target)
-            a, b = self.local_factors(proj, a, b)
+            a, b = proj.local_factors(a, b, self.shard.axis)
             w = proj.weight
             proj.factors[slot] = (a.to(w.device, w.dtype), b.to(w.device, w.dtype))
         self.slots[name] = slot
         self.paths[name] = path
 
-    def local_factors(self, proj: LoRAProjection, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The part of an adapter's (A, s * B) that ``proj`` applies (all of it here; a shard's slice under TP)."""
-        return a, b
+    def update(self, name: str, factors: Factors, sliced: bool = False) -> None:
+        """New factors (:meth:`read`'s form) for served adapter ``name``, or (``sliced``) this rank's parts of them
+        already: they overwrite its slot's in place (nothing is shipped: the caller runs on every rank, as the RL
+        engine's adapter sync does)."""
+        slot = self.slot(name)
+        for key, (a, b) in factors.items():
+            _, index, target = key.split(".", 2)
+            proj = self._wrap(int(index), target)
+            new = (a, b) if sliced else proj.local_factors(a, b, self.shard.axis)
+            for old, part in zip(proj.factors[slot], new, strict=True):
+                old.copy_(part)
 
     def wrapper(self, module: nn.Module) -> LoRAProjection:
-        """``module`` wrapped to apply the adapters (a tensor-parallel registry wraps its sharded layers)."""
+        """``module`` wrapped to apply the adapters (a tensor-parallel shard's row-parallel layers add their term
+        before their all-reduce; a column-parallel layer must not gather its output)."""
+        if isinstance(module, RowParallelLinear):
+            return RowParallelLoRAProjection(module, self.rows)
+        if isinstance(module, ColumnParallelLinear) and module.gather_output:
+            raise RuntimeError(f"a column-parallel projection that gathers its output is no LoRA target: {module}")
         return LoRAProjection(module, self.rows)  # type: ignore[arg-type]
 
     def projections(self) -> list[LoRAProjection]:

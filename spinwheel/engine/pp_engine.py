@@ -25,15 +25,17 @@ import itertools
 import logging
 import os
 from collections import deque
+from typing import Any
 
 import torch
 
 from spinwheel.engine.block_manager import BlockManager
 from spinwheel.engine.block_pool import BlockPool
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.llm_engine import LLMEngine, flush_denormal
+from spinwheel.engine.denormals import flush_denormal
+from spinwheel.engine.executor import PipelinedExecutor
+from spinwheel.engine.llm_engine import LLMEngine
 from spinwheel.engine.outputs import EngineStats
-from spinwheel.engine.pp_lora import checked_update
 from spinwheel.engine.pp_stage import check_checkpoint_pp_degree
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput
@@ -77,10 +79,9 @@ class _MicroBatch:
 class PPEngine(LLMEngine):
     """:class:`LLMEngine` over a P-stage pipeline with P micro-batches in flight."""
 
-    def __init__(
-        self, model: Transformer, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
-    ) -> None:
-        super().__init__(model, tokenizer, config)  # tp_pp.make_runner: stage 0 here, the others spawned
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """:class:`LLMEngine`'s arguments; its executor a PipelinedExecutor (stage 0 here, the others spawned)."""
+        super().__init__(*args, **kwargs)
         config, pp = self.config, self.config.pipeline_parallel_size
         n, m, bs = self.runner.num_blocks // pp, self.runner.num_cpu_blocks // pp, config.block_size
         if config.max_model_len is None and self.max_model_len > n * bs:
@@ -95,6 +96,7 @@ class PPEngine(LLMEngine):
             scheduler._seq_ids = seq_ids
             self.micro.append(_MicroBatch(scheduler))
         self._in_flight: deque[tuple[_MicroBatch, SchedulerOutput]] = deque()
+        self.executor: PipelinedExecutor
         self._use(self.micro[0])
 
     @classmethod
@@ -150,7 +152,7 @@ class PPEngine(LLMEngine):
             if not self._in_flight:
                 return groups
             micro, out = self._in_flight.popleft()
-            step = self.executor.collect()  # type: ignore[union-attr]
+            step = self.executor.collect()
             micro.busy = False
             self._use(micro)
             touched = self._process(out, step)
@@ -170,7 +172,7 @@ class PPEngine(LLMEngine):
                 continue
             self._use(micro)
             out = self.scheduler.schedule()
-            if self.executor.launch(out):  # type: ignore[union-attr]
+            if self.executor.launch(out):
                 micro.busy = True
                 self._in_flight.append((micro, out))
             else:  # nothing to run (or only blocks moved): its rejected requests and finished ones still end
@@ -213,8 +215,7 @@ class PPEngine(LLMEngine):
         in flight (which finish on the old weights: :mod:`~spinwheel.engine.pp_lora`). Every micro-batch's prefix
         cache is dropped; as on one device, call it between generations (running requests would mix old and new
         K/V)."""
-        state = checked_update(model_or_state_dict, self.loras.full_model())  # type: ignore[attr-defined]
-        self.executor.update_weights(state)  # type: ignore[union-attr]
+        self.executor.update_weights(model_or_state_dict)
         for micro in self.micro:
             micro.scheduler.reset_prefix_cache()
 

@@ -5,7 +5,7 @@ model on a GPU, stage r runs on GPU r and the transfers go through host memory; 
 (:mod:`~spinwheel.engine.pp_stage`). It spawns the P − 1 other stages itself, as
 :class:`~spinwheel.engine.tp_executor.TPExecutor` spawns its workers (the fork server; each stage gets only its own
 tensors, through shared memory). Per engine iteration (:meth:`PPExecutor.launch`) the driver pipes the block moves
-and the flat batch it prepared to every stage (:class:`~spinwheel.engine.pp_stage.PPStep`), runs its own layers and
+and the flat batch it prepared to every stage (:class:`~spinwheel.engine.tp_worker.Step`), runs its own layers and
 sends the hidden states on (``isend``: it does not wait); stage s receives from s − 1, runs its layers and sends to
 s + 1; the last stage sends the picked rows' logits back, which :meth:`PPExecutor.collect` receives. Every stage
 handles the iterations in the order they were launched, so several may be in flight at once:
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.executor import PipelinedExecutor, Weights
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
-from spinwheel.engine.pp_lora import load_stage_weights, stage_part
+from spinwheel.engine.pp_lora import checked_update, load_stage_weights, stage_part
 from spinwheel.engine.pp_stage import (
-    PPStep,
     StageModel,
     StageRunner,
     check_pp_degree,
@@ -41,8 +41,7 @@ from spinwheel.engine.pp_stage import (
     stage_pool_config,
     stage_state,
 )
-from spinwheel.engine.tp_executor import make_runner as make_tp_runner
-from spinwheel.engine.tp_worker import to_device
+from spinwheel.engine.tp_worker import Step, to_device
 from spinwheel.engine.workers import TensorParallelError, WorkerProcesses, driver_steps, join_engine_group
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.comm import Handle
@@ -57,16 +56,7 @@ class PipelineParallelError(TensorParallelError):
     """A pipeline stage is gone or a transfer failed: the engine cannot step any more (close it)."""
 
 
-def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
-    """The engine's model runner: stage 0's with the executor that drives the other stages
-    (``pipeline_parallel_size`` > 1), else :func:`spinwheel.engine.tp_executor.make_runner`'s."""
-    if config.pipeline_parallel_size == 1:
-        return make_tp_runner(model, config, max_model_len)
-    executor = PPExecutor(model, config, max_model_len)
-    return executor.runner, executor
-
-
-class PPExecutor(WorkerProcesses):
+class PPExecutor(WorkerProcesses, PipelinedExecutor):
     """Spawns and drives the stages of a P-stage pipeline; ``runner`` is the driver's own stage (stage 0)."""
 
     kind, link, error_class = "pipeline stage", "a transfer between pipeline stages", PipelineParallelError
@@ -119,12 +109,12 @@ class PPExecutor(WorkerProcesses):
         if inputs is None and not any(moves):
             return False
         cpu = to_device(inputs, torch.device("cpu")) if self.runner.model.device.type != "cpu" else inputs
-        step = PPStep(*moves, cpu)  # type: ignore[arg-type]
+        step = Step(*moves, cpu)  # type: ignore[arg-type]
         self.send(step)
         self.runner.move(step)
         if inputs is None:
             return False
-        hidden = self.runner.stage_forward(inputs).contiguous().cpu()  # a no-op on CPU
+        hidden = self.first_stage(inputs)
         try:
             self._sends.append((Handle(dist.isend(hidden, self.next_rank, tag=_HIDDEN), self.timeout), hidden))
         except (RuntimeError, TimeoutError) as e:
@@ -134,7 +124,11 @@ class PPExecutor(WorkerProcesses):
         self.most_in_flight = max(self.most_in_flight, len(self._pending))
         return True
 
-    def send(self, step: PPStep, weights: list[dict[str, torch.Tensor]] | None = None) -> None:
+    def first_stage(self, inputs: StepInputs) -> torch.Tensor:
+        """Stage 0's layers (the driver's) over the iteration's batch: the hidden states to send on, on the CPU."""
+        return self.runner.stage_forward(inputs).contiguous().cpu()  # a no-op on CPU
+
+    def send(self, step: Step, weights: list[dict[str, torch.Tensor]] | None = None) -> None:
         """Send ``step`` to every stage, with its part of the adapters added since the last message and its part of
         ``weights`` (per rank: rank r's is ``weights[r]``; rank r holds stage r // tp), if any
         (:mod:`~spinwheel.engine.pp_lora`)."""
@@ -154,13 +148,18 @@ class PPExecutor(WorkerProcesses):
         except OSError as e:
             raise self.error(e) from e
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load the whole model's tensors ``state`` (checked: :func:`~spinwheel.engine.pp_lora.checked_update`):
-        stage 0's here at once, every other stage's part through its pipe, after the iterations in flight."""
-        parts = [stage_state(state, self.model_config, self.pp, s) for s in range(self.pp)]
+    def update_weights(self, model_or_state_dict: Weights) -> None:
+        """Load new weights, checked against the whole model first (:func:`~spinwheel.engine.pp_lora.checked_update`):
+        the driver's part here at once, every other rank's through its pipe, after the iterations in flight."""
+        state = checked_update(model_or_state_dict, self.runner.loras.full_model())  # type: ignore[attr-defined]
+        parts = self.weight_parts(state)
         copies = [{k: _compact(v) for k, v in part.items()} for part in parts[1:]]
-        self.send(PPStep([], [], [], None), weights=[parts[0], *copies])
+        self.send(Step([], [], [], None), weights=[parts[0], *copies])
         load_stage_weights(self.runner, parts[0])
+
+    def weight_parts(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every rank's part of the whole model's tensors ``state``, in rank order: its stage's."""
+        return [stage_state(state, self.model_config, self.pp, s) for s in range(self.pp)]
 
     def collect(self) -> StepLogits:
         """The logits of the oldest iteration in flight, from the last stage."""
@@ -177,7 +176,7 @@ class PPExecutor(WorkerProcesses):
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the stages (killing any that do not stop within ``timeout_s``) and leave the process group."""
-        self.stop_workers(PPStep([], [], [], None, stop=True), timeout_s)
+        self.stop_workers(Step([], [], [], None, stop=True), timeout_s)
         self._sends.clear()
         self._pending.clear()
 

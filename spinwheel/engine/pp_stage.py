@@ -7,10 +7,10 @@ blocks of its layers only: its :class:`StageModel`'s config says L/P layers, so 
 :class:`~spinwheel.engine.model_runner.ModelRunner` it runs under allocates every block for those layers alone, and
 the pool has as many blocks as one device's (:func:`stage_pool_config`), each 1/P of the size.
 
-A step (:class:`PPStep`, the same message to every stage) carries the schedule's block moves and the flat batch the
-driver prepared; a stage moves its blocks, takes the hidden states (N, C) of the stage before it (stage 0 embeds the
-tokens), runs its layers and hands them on; the last stage applies the norm and the LM head to the picked rows and
-sends their logits (R, V) back to the driver, which samples.
+A step (:class:`~spinwheel.engine.tp_worker.Step`, the same message to every stage) carries the schedule's block
+moves and the flat batch the driver prepared; a stage moves its blocks, takes the hidden states (N, C) of the stage
+before it (stage 0 embeds the tokens), runs its layers and hands them on; the last stage applies the norm and the LM
+head to the picked rows and sends their logits (R, V) back to the driver, which samples.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -27,9 +26,9 @@ from torch import nn
 from spinwheel.engine import cpu_forward
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs
-from spinwheel.engine.pp_lora import PPAdapterRegistry, load_stage_weights
-from spinwheel.engine.tp_lora import AdapterShipment
-from spinwheel.engine.tp_worker import checkpoint_config, pool_sizes
+from spinwheel.engine.multi_lora import AdapterRegistry, Shard
+from spinwheel.engine.pp_lora import load_stage_weights
+from spinwheel.engine.tp_worker import Step, checkpoint_config, pool_sizes
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import Block, RMSNorm, RotaryEmbedding, run_blocks
 
@@ -145,28 +144,13 @@ def stage_pool_config(config: EngineConfig, model_config: ModelConfig, dtype: to
     return dataclasses.replace(config, num_kv_blocks=blocks * pp, num_cpu_blocks=cpu * pp)
 
 
-@dataclass
-class PPStep:
-    """What the driver sends every stage per engine iteration: the block moves, the flat batch (CPU tensors; None
-    when the iteration only moves blocks), or ``stop``. A stage first installs ``adapters`` (its part of those the
-    driver added since its last message) and loads ``weights`` (its part of an ``update_weights``;
-    :mod:`~spinwheel.engine.pp_lora`)."""
-
-    swap_out: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-    copy: list[tuple[int, int]]
-    inputs: StepInputs | None
-    stop: bool = False
-    adapters: list[AdapterShipment] = field(default_factory=list)
-    weights: dict[str, torch.Tensor] | None = None
-
-
 class StageRunner(ModelRunner):
     """A :class:`ModelRunner` over a :class:`StageModel`: block moves and the stage's part of the forward."""
 
     def __init__(self, model: StageModel, config: EngineConfig, max_model_len: int) -> None:
         super().__init__(model, dataclasses.replace(config, cpu_packed_weights=False), max_model_len)  # type: ignore
-        self.loras = PPAdapterRegistry(model, stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage))
+        layers = stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage)
+        self.loras = AdapterRegistry(model, Shard(model.full_config, layers))  # type: ignore[arg-type]
         if config.cpu_packed_weights and model.device.type == "cpu":
             cpu_forward.bound_primitive_caches(config.onednn_cache_capacity)
         if config.cpu_packed_weights and cpu_forward.supports(model):  # type: ignore[arg-type]
@@ -178,14 +162,14 @@ class StageRunner(ModelRunner):
             "spinwheel.engine.pp_engine.engine_class(config)"
         )
 
-    def receive(self, step: PPStep) -> None:
+    def receive(self, step: Step) -> None:
         """What a message brings before its iteration: adapters the driver added, an update's weights."""
         for shipment in step.adapters:
             self.loras.receive(shipment)  # type: ignore[attr-defined]
         if step.weights is not None:
-            load_stage_weights(self, step.weights)
+            load_stage_weights(self, step.weights)  # type: ignore[arg-type]
 
-    def move(self, step: PPStep) -> None:
+    def move(self, step: Step) -> None:
         if step.swap_out or step.swap_in or step.copy:
             moves = dict(blocks_to_swap_out=step.swap_out, blocks_to_swap_in=step.swap_in, blocks_to_copy=step.copy)
             self.move_blocks(SimpleNamespace(**moves))  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.model_runner import ModelRunner
+from spinwheel.engine.executor import ShardedExecutor
 from spinwheel.engine.tp_update import Layout, checked_state, full_layout, load_slices, own_slices, ship, untied
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_tp_degree, pool_sizes, shard_model, worker_main
 from spinwheel.engine.workers import TensorParallelError, WorkerProcesses  # noqa: F401 (the error is named from here)
@@ -38,20 +38,7 @@ logger = logging.getLogger(__name__)
 TP_TIMEOUT_S = 60.0  # longest wait of a collective (and of the workers' start-up)
 
 
-def make_runner(model: Transformer, config: EngineConfig, max_model_len: int) -> tuple[ModelRunner, TPExecutor | None]:
-    """The engine's model runner: over the whole model on one device, or (``tensor_parallel_size`` > 1) rank 0's
-    shard, with the executor that started and drives the other ranks. A shard whose ranks its caller already runs
-    (the RL loop's ``--engine-tp`` under torchrun) names its host, which builds both."""
-    host = getattr(model, "tp_host", None)
-    if host is not None:
-        return host.make_runner(model, config, max_model_len)
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(model, config, max_model_len), None
-    executor = TPExecutor(model, config, max_model_len)
-    return executor.runner, executor
-
-
-class TPExecutor(WorkerProcesses):
+class TPExecutor(WorkerProcesses, ShardedExecutor):
     """Spawns and drives the workers of an N-way tensor-parallel engine; ``runner`` is the driver's own rank."""
 
     kind, link = "tensor-parallel worker", "a collective of the tensor-parallel group"
@@ -80,7 +67,7 @@ class TPExecutor(WorkerProcesses):
         self.axis, self.comm = Axis("tp", tuple(range(tp)), 0, dist.group.WORLD), Comm(timeout_s)
         shard = shard_model(model.config, state, self.axis, self.comm, model.device)
         del state
-        self.runner = TPModelRunner(shard, runner_config, max_model_len, self.axis, self.comm, executor=self)
+        self.runner = TPModelRunner(shard, runner_config, max_model_len, self.axis, self.comm)
         self.memory = [self.runner.shard_bytes(), *self.started()]  # per rank: sharded and replicated weights, KV
         logger.info("tensor-parallel engine: %d ranks (%s), per-rank memory %s", tp, backend, self.memory)
 
@@ -91,7 +78,8 @@ class TPExecutor(WorkerProcesses):
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
         """Load new full weights on every rank: checked here first (a bad tensor is one line and no rank changes),
-        each worker sent only its slices, the driver's own loaded meanwhile; returns once every rank has them."""
+        each worker sent only its slices, the driver's own loaded meanwhile; returns once every rank has them (the
+        driver's runner re-installed)."""
         shard = self.runner.model
         if model_or_state_dict is shard:
             raise ValueError("update_weights: that is the engine's own shard (rank 0's slices); pass the full model")
@@ -114,6 +102,7 @@ class TPExecutor(WorkerProcesses):
                 conn.recv()
         except (OSError, EOFError) as e:  # a worker gone
             raise self.error(e) from e
+        self.runner.install()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the workers (killing any that do not stop within ``timeout_s``) and leave the process group."""

@@ -18,10 +18,11 @@ tensor the size of one layer's activation). The last stage gathers its vocabular
 group (:meth:`~spinwheel.engine.tp_worker.TPModelRunner.select_rows`) and its TP rank 0 sends them to the driver.
 
 LoRA adapters: the driver reads and checks them against the whole model and ships each rank its stage's layers'
-factors (:mod:`~spinwheel.engine.pp_lora`), which the rank slices like the layer they adapt
-(:mod:`~spinwheel.engine.tp_lora`). ``update_weights``: checked against the whole model (the pipeline engine's
-check), then each rank is sent its stage's tensors cut to its TP slices (:mod:`~spinwheel.engine.tp_update`'s
-layout), in the order of its pipe. A lost rank: :class:`~spinwheel.engine.pp_executor.PipelineParallelError` (a
+factors (:mod:`~spinwheel.engine.pp_lora`), which the rank slices like the layer they adapt (its registry's
+:class:`~spinwheel.engine.multi_lora.Shard` names its stage's layers and its TP axis). ``update_weights``: checked
+against the whole model (the pipeline engine's check), then each rank is sent its stage's tensors cut to its TP
+slices (:mod:`~spinwheel.engine.tp_update`'s layout), in the order of its pipe. A lost rank:
+:class:`~spinwheel.engine.pp_executor.PipelineParallelError` (a
 :class:`~spinwheel.engine.workers.TensorParallelError`) naming its stage and TP rank. On GPUs (not run on one yet)
 rank r runs on GPU r, the stages' groups are NCCL's and the hand-overs go through host memory over gloo, as the
 pipeline engine's.
@@ -38,11 +39,10 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.pp_executor import PP_TIMEOUT_S, PPExecutor, _compact, _run_stage
-from spinwheel.engine.pp_executor import make_runner as make_pp_runner
-from spinwheel.engine.pp_lora import PPAdapterRegistry, load_stage_weights
+from spinwheel.engine.model_runner import StepInputs
+from spinwheel.engine.multi_lora import AdapterRegistry, Shard
+from spinwheel.engine.pp_executor import PP_TIMEOUT_S, PPExecutor, _run_stage
 from spinwheel.engine.pp_stage import (
-    PPStep,
     StageModel,
     StageRunner,
     check_pp_degree,
@@ -51,7 +51,6 @@ from spinwheel.engine.pp_stage import (
     stage_pool_config,
     stage_state,
 )
-from spinwheel.engine.tp_lora import TPAdapterRegistry
 from spinwheel.engine.tp_update import Layout, full_layout, own_slices
 from spinwheel.engine.tp_worker import TPModelRunner, check_tp_degree
 from spinwheel.engine.workers import WorkerProcesses, join_engine_group
@@ -95,49 +94,16 @@ def shard_stage(
     return model
 
 
-class TPPPAdapterRegistry(PPAdapterRegistry):
-    """The adapters a rank serves: its stage's layers' factors (:class:`PPAdapterRegistry`), each sliced for its
-    TP rank like the layer it adapts (:class:`TPAdapterRegistry`'s wrappers and slices)."""
-
-    adaptable = TPAdapterRegistry.adaptable
-    wrapper = TPAdapterRegistry.wrapper
-    local_factors = TPAdapterRegistry.local_factors
-
-    def __init__(self, model: StageModel, layers: range, axis: Axis) -> None:
-        super().__init__(model, layers)
-        self.axis = axis
-
-
 class TPStageRunner(StageRunner):
-    """A :class:`StageRunner` over a TP-split stage: the last stage's logits gathered over its TP group. On the
-    driver ``executor`` names a lost rank when a collective of stage 0's forward fails."""
+    """A :class:`StageRunner` over a TP-split stage: the last stage's logits gathered over its TP group."""
 
     select_rows = TPModelRunner.select_rows
 
     def __init__(self, model: StageModel, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm) -> None:
         super().__init__(model, dataclasses.replace(config, cpu_packed_weights=False), max_model_len)
-        self.axis, self.comm, self.executor = axis, comm, None
+        self.axis, self.comm = axis, comm
         layers = stage_layers(model.full_config.num_hidden_layers, model.pp, model.stage)
-        self.loras = TPPPAdapterRegistry(model, layers, axis)
-
-    def stage_forward(self, inputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        try:
-            return super().stage_forward(inputs, hidden)
-        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
-            if self.executor is None:
-                raise
-            raise self.executor.error(e) from e
-
-
-def make_runner(model: Transformer, config: EngineConfig, max_model_len: int):
-    """The engine's model runner and the executor driving the other ranks: stage 0's TP rank 0 with both degrees
-    > 1, else :func:`spinwheel.engine.pp_executor.make_runner`'s (one device, TP alone or PP alone)."""
-    if config.tensor_parallel_size == 1 or config.pipeline_parallel_size == 1:
-        return make_pp_runner(model, config, max_model_len)
-    if getattr(model, "tp_host", None) is not None:  # the RL loop's --engine-tp shards, in torchrun's ranks
-        raise ValueError("--engine-tp runs the RL engine in torchrun's ranks, without stages: leave its PP degree at 1")
-    executor = TPPPExecutor(model, config, max_model_len)
-    return executor.runner, executor
+        self.loras = AdapterRegistry(model, Shard(model.full_config, layers, axis))  # type: ignore[arg-type]
 
 
 class TPPPExecutor(PPExecutor):
@@ -182,10 +148,16 @@ class TPPPExecutor(PPExecutor):
         first = shard_stage(model.config, pp, 0, parts.pop(), self.axis, self.comm, model.device)
         del state
         self.runner = TPStageRunner(first, runner_config, max_model_len, self.axis, self.comm)
-        self.runner.executor = self
         self.vocab = model.lm_head.out_features
         self.memory = [self.runner.memory(), *self.started()]  # per rank: layer and edge weights, KV cache (bytes)
         logger.info("tensor×pipeline-parallel engine: %d stages × %d TP ranks, per-rank memory %s", pp, tp, self.memory)
+
+    def first_stage(self, inputs: StepInputs) -> torch.Tensor:
+        """:meth:`PPExecutor.first_stage`; a collective of stage 0's forward that fails names the lost rank."""
+        try:
+            return super().first_stage(inputs)
+        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
+            raise self.error(e) from e
 
     def dead(self) -> str | None:
         """Which rank exited, if one did, by its stage and TP rank: one killed by a signal first (its peers then
@@ -201,10 +173,9 @@ class TPPPExecutor(PPExecutor):
                 )
         return None
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load the whole model's tensors ``state`` (checked by the engine): every rank gets its stage's part cut to
-        its TP slices (views here; copied for the pipes), the driver's loaded at once, the others' after the
-        iterations in flight."""
+    def weight_parts(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every rank's part of the whole model's tensors ``state``: its stage's tensors cut to its TP slices
+        (views here; copied for the pipes)."""
         if self.layout is None:
             self.layout = full_layout(self.model_config, self.axis, self.comm)
         parts = []
@@ -212,9 +183,7 @@ class TPPPExecutor(PPExecutor):
             stage, t = divmod(rank, self.tp)
             layout = stage_state(self.layout, self.model_config, self.pp, stage)  # type: ignore[arg-type]
             parts.append(own_slices(stage_state(state, self.model_config, self.pp, stage), layout, self.tp, t))
-        copies = [{k: _compact(v) for k, v in part.items()} for part in parts[1:]]
-        self.send(PPStep([], [], [], None), weights=[parts[0], *copies])
-        load_stage_weights(self.runner, parts[0])
+        return parts
 
 
 def rank_main(

@@ -11,9 +11,9 @@ would (:func:`pool_sizes`), so the driver's block manager schedules exactly what
 A step is the same on every rank (:meth:`TPModelRunner.execute`): the block moves of the schedule, then the forward
 over the inputs the driver prepared, then the LM head on the sampled rows; the vocab slices of the logits are
 all-gathered, so the driver samples from the whole (R, V) logits as on one device. LoRA adapters added on the driver
-travel with the next step (``Step.adapters``) and each rank serves its shard's slice (:mod:`~spinwheel.engine.tp_lora`).
-New weights (``LLM.update_weights``) come as a message of their own, each rank's slices only, acknowledged once
-loaded (:mod:`~spinwheel.engine.tp_update`).
+travel with the next step (``Step.adapters``) and each rank serves its shard's slice
+(:mod:`~spinwheel.engine.multi_lora`). New weights (``LLM.update_weights``) come as a message of their own, each
+rank's slices only, acknowledged once loaded (:mod:`~spinwheel.engine.tp_update`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepInputs, StepLogits
-from spinwheel.engine.tp_lora import AdapterShipment, TPAdapterRegistry
+from spinwheel.engine.multi_lora import AdapterRegistry, AdapterShipment, Shard
 from spinwheel.engine.tp_update import receive_slices
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.transformer import RotaryEmbedding, Transformer
@@ -79,12 +79,14 @@ def check_checkpoint_tp_degree(path_or_preset: str | os.PathLike, tp: int) -> No
 
 @dataclass
 class Step:
-    """What the driver sends each worker per step (vLLM's ``ExecuteModelRequest``): the schedule's block moves and
-    the flat batch the driver prepared (tensors on CPU; None when the step only moves blocks), or ``stop``; and the
-    LoRA adapters added on the driver since the last step, which every rank installs before the step's forward.
-    With ``weights`` (the names, shapes and dtypes of this worker's slices of new weights, whose bytes follow as
-    raw messages) it is an update, not a step: the worker reads them into its shard and acknowledges
-    (:mod:`~spinwheel.engine.tp_update`)."""
+    """What the driver sends every other rank per step, tensor-parallel worker or pipeline stage alike (vLLM's
+    ``ExecuteModelRequest``): the schedule's block moves and the flat batch the driver prepared (tensors on CPU;
+    None when the step only moves blocks), or ``stop``; and the LoRA adapters added on the driver since the last
+    step (a stage: its layers' part), which the rank installs before the step's forward. ``weights`` carries an
+    update: for a tensor-parallel worker the names, shapes and dtypes of its slices of new weights, whose bytes
+    follow as raw messages (an update, not a step: the worker reads them into its shard and acknowledges,
+    :mod:`~spinwheel.engine.tp_update`); for a stage its part's tensors, loaded before the step
+    (:mod:`~spinwheel.engine.pp_lora`)."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
@@ -92,7 +94,7 @@ class Step:
     inputs: StepInputs | None
     stop: bool = False
     adapters: list[AdapterShipment] = dataclasses.field(default_factory=list)
-    weights: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
+    weights: list[tuple[str, tuple[int, ...], torch.dtype]] | dict[str, torch.Tensor] | None = None
 
 
 def to_device(obj, device: torch.device):
@@ -135,6 +137,15 @@ def shard_model(
     return model.eval()
 
 
+def full_config(local: ModelConfig, tp: int) -> ModelConfig:
+    """The whole model's config from a rank's (whose head counts are 1/tp of the model's: :func:`shard_model`)."""
+    return dataclasses.replace(
+        local,
+        num_attention_heads=local.num_attention_heads * tp,
+        num_key_value_heads=local.num_key_value_heads * tp,  # type: ignore[operator]
+    )
+
+
 def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int) -> EngineConfig:
     """``config`` with the block counts one device would get (ModelRunner's rules on the full model's block size),
     so a rank's pool holds as many blocks as one device's, each 1/N of the size."""
@@ -151,30 +162,14 @@ def pool_sizes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
 class TPModelRunner(ModelRunner):
     """A :class:`ModelRunner` over a model shard: the same step on every rank, the logits gathered over the TP axis.
 
-    On the driver ``executor`` (:class:`~spinwheel.engine.tp_executor.TPExecutor`) ships each step to the workers
-    before it runs here, and names a dead worker when a collective fails."""
+    On the driver a :class:`~spinwheel.engine.executor.ShardedExecutor` ships each step to the other ranks before
+    it runs here (:meth:`execute`), as they run it on theirs."""
 
-    def __init__(
-        self, model: Transformer, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm, executor=None
-    ) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int, axis: Axis, comm: Comm) -> None:
         super().__init__(model, config, max_model_len)
-        self.axis, self.comm, self.executor = axis, comm, executor
-        self.loras = TPAdapterRegistry(model, axis)  # each rank's slice of every adapter (tp_lora)
-
-    @torch.inference_mode()
-    def run(self, out) -> StepLogits | None:
-        moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        inputs = self.prepare_inputs(out.scheduled, out.block_tables) if out.scheduled else None
-        if inputs is None and not any(moves):
-            return None
-        if self.executor is None:
-            return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
-        cpu = to_device(inputs, torch.device("cpu")) if self.model.device.type != "cpu" else inputs
-        self.executor.send(Step(*moves, cpu, adapters=self.loras.take_pending()))  # type: ignore[arg-type]
-        try:
-            return self.execute(Step(*moves, inputs))  # type: ignore[arg-type]
-        except (RuntimeError, TimeoutError) as e:  # a collective with a peer gone
-            raise self.executor.error(e) from e
+        self.axis, self.comm = axis, comm
+        shard = Shard(full_config(model.config, axis.size), axis=axis)
+        self.loras = AdapterRegistry(model, shard)  # each rank's slice of every adapter (multi_lora)
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepLogits | None:

@@ -17,23 +17,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from spinwheel.engine import LLMEngine, RequestOutput, SamplingParams
+from spinwheel.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
-
-
-def pending(commands: queue.Queue) -> Iterator:
-    """What is in the queue now, oldest first, without waiting."""
-    while True:
-        try:
-            yield commands.get_nowait()
-        except queue.Empty:
-            return
 
 
 class EngineDeadError(RuntimeError):
@@ -122,8 +112,9 @@ class StreamingEngine(abc.ABC):
     def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None: ...
 
 
-class AsyncEngine(StreamingEngine):
-    """Drive an :class:`LLMEngine` on a thread of this process."""
+class AsyncEngine(StreamingEngine, EngineCore):
+    """Drive an :class:`LLMEngine` on a thread of this process: the :class:`~spinwheel.engine.core.EngineCore` loop,
+    its outputs handed to the requests' streams."""
 
     def __init__(
         self,
@@ -131,14 +122,10 @@ class AsyncEngine(StreamingEngine):
         on_step: Callable[[list[RequestOutput], float], None] | None = None,
         idle_wait_s: float = 0.05,
     ) -> None:
-        super().__init__()
-        self.engine = engine
+        StreamingEngine.__init__(self)
+        EngineCore.__init__(self, engine, idle_wait_s)
         self._on_step = on_step
-        self._idle_wait_s = idle_wait_s
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, Stream] = {}  # touched by the engine thread only
-        self._stop = threading.Event()
         self.num_step_errors = 0
         self._thread = threading.Thread(target=self._run, name="spinwheel-engine", daemon=True)
         self._thread.start()
@@ -153,24 +140,19 @@ class AsyncEngine(StreamingEngine):
         return self.engine.seconds_without_progress()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
+        self.stop()
         self._thread.join(timeout)
 
     # ---- asyncio side ----
     def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None:
-        self._post(("add", request_id, prompt, params, stream))
+        self.post(("add", request_id, prompt, params, stream))
 
     def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
-
-    def _post(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wake.set()
+        self.post(("abort", request_id))
 
     # ---- engine thread ----
-    def _apply_commands(self) -> None:
-        for command in pending(self._commands):
+    def apply(self, commands: Iterator[tuple]) -> None:
+        for command in commands:
             if command[0] == "add":
                 _, request_id, prompt, params, stream = command
                 try:
@@ -183,32 +165,29 @@ class AsyncEngine(StreamingEngine):
                 if self.engine.abort(command[1]):
                     self._streams.pop(command[1], None)
 
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step(stream=True)
+
+    def deliver(self, outputs: list[RequestOutput], step_s: float) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its handler
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        if self._on_step is not None:
+            self._on_step(outputs, step_s)
+
+    def step_failed(self, error: Exception) -> None:
+        """An engine bug on some input: fail the requests in flight, keep serving."""
+        logger.exception("engine step failed; aborting the requests in flight", exc_info=error)
+        self.num_step_errors += 1
+        self._fail_all(EngineStepError(f"the engine failed on this batch: {error!r}"), abort=True)
+
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(self._idle_wait_s)
-                    self._wake.clear()
-                    continue
-                t0 = time.monotonic()
-                try:
-                    outputs = self.engine.step(stream=True)
-                except Exception as e:  # an engine bug on some input: fail the requests in flight, keep serving
-                    logger.exception("engine step failed; aborting the requests in flight")
-                    self.num_step_errors += 1
-                    self._fail_all(EngineStepError(f"the engine failed on this batch: {e!r}"), abort=True)
-                    continue
-                now = time.monotonic()
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue  # aborted by its handler
-                    stream.put(out)
-                    if out.finished:
-                        del self._streams[out.request_id]
-                if self._on_step is not None:
-                    self._on_step(outputs, now - t0)
+            self.run()
         except BaseException as e:  # the thread itself broke: fail every waiting request instead of hanging it
             logger.exception("engine thread stopped")
             self.error = e

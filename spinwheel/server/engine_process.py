@@ -30,19 +30,21 @@ import queue
 import signal
 import sys
 import threading
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
+from spinwheel.engine.core import EngineCore
 from spinwheel.engine.isolation import INTERNAL_ERROR
 from spinwheel.engine.pp_engine import engine_class
+from spinwheel.engine.sequence import SequenceGroup
 from spinwheel.engine.tp_executor import TensorParallelError
 from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
-from spinwheel.server.async_engine import EngineStepError, pending
+from spinwheel.server.async_engine import EngineStepError
 from spinwheel.server.output_deltas import DeltaEncoder
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ class EngineSpec:
         else:
             engine = engine_cls.from_pretrained(self.model, self.config, self.load_tokenizer())
         for name, path in self.loras.items():
-            engine.loras.add(name, path)
+            engine.add_lora(name, path)
         engine.output_processor.tokenizer = None
         return engine
 
@@ -127,15 +129,13 @@ def snapshot(engine: LLMEngine) -> EngineSnapshot:
     )
 
 
-class EngineCore:
-    """The child's loop: apply the queued commands, step while work remains, send each step's deltas."""
+class ProcessCore(EngineCore):
+    """The child's :class:`~spinwheel.engine.core.EngineCore`: commands from the pipe, each step's deltas back."""
 
     def __init__(self, engine: LLMEngine, conn: Connection, idle_wait_s: float = 1.0) -> None:
-        self.engine, self.conn, self.idle_wait_s = engine, conn, idle_wait_s
+        super().__init__(engine, idle_wait_s)
+        self.conn = conn
         self.encoder = DeltaEncoder(engine.output_processor)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = False
         self._live: set[str] = set()  # requests added and not yet finished
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._read, name="spinwheel-engine-reader", daemon=True).start()
@@ -150,8 +150,8 @@ class EngineCore:
             except (EOFError, OSError):
                 batch = [("shutdown",)]  # the server went away
             for command in batch:
-                self._commands.put(command)
-            self._wake.set()
+                self.commands.put(command)
+            self.wake.set()
             if batch and batch[-1][0] == "shutdown":
                 return
 
@@ -172,9 +172,9 @@ class EngineCore:
         self._outbox.put(None)
         self._writer.join(10)
 
-    def _apply_commands(self) -> None:
+    def apply(self, commands: Iterator[tuple]) -> None:
         failed: list[tuple[str, BaseException]] = []
-        for command in pending(self._commands):
+        for command in commands:
             if command[0] == "add":
                 _, request_id, prompt, params = command
                 try:
@@ -188,42 +188,32 @@ class EngineCore:
             elif command[0] == "stop":
                 self.engine.stop_sample(*command[1:])
             else:
-                self._stop = True
+                self.stopped = True
         for request_id, e in failed:
             self._send(("failed", [request_id], e))
 
-    def run(self) -> None:
-        engine = self.engine
-        while not self._stop:
-            self._apply_commands()
-            if self._stop:
-                return
-            if not engine.has_unfinished_requests():
-                self._wake.wait(self.idle_wait_s)
-                self._wake.clear()
-                continue
-            t0 = time.monotonic()
+    def step(self) -> list[SequenceGroup]:
+        return self.engine.step_groups(stream=True)
+
+    def deliver(self, groups: list[SequenceGroup], step_s: float) -> None:
+        deltas = []
+        for group in groups:
             try:
-                groups = engine.step_groups(stream=True)
-            except TensorParallelError as e:  # a worker is gone: exit, so the server fails the requests and restarts
-                print(f"spinwheel serve: engine process exits: {e}", file=sys.stderr, flush=True)
-                engine.executor.close()  # type: ignore[union-attr]
-                raise SystemExit(1) from None
-            except Exception as e:  # an engine bug on some input: fail the requests in flight, keep serving
-                logger.exception("engine step failed; aborting the requests in flight")
-                self._fail_all(EngineStepError(f"the engine failed on this batch: {e!r}"))
-                continue
-            step_s = time.monotonic() - t0
-            deltas = []
-            for group in groups:
-                try:
-                    deltas.append(self.encoder.encode(group))
-                except Exception as e:  # noqa: BLE001 - one request's output could not be sent: it fails alone
-                    self._fail_one(group.request_id, e)
-            for delta in deltas:
-                if delta.finished:
-                    self._live.discard(delta.request_id)
-            self._send(("step", deltas, step_s, snapshot(engine)))
+                deltas.append(self.encoder.encode(group))
+            except Exception as e:  # noqa: BLE001 - one request's output could not be sent: it fails alone
+                self._fail_one(group.request_id, e)
+        for delta in deltas:
+            if delta.finished:
+                self._live.discard(delta.request_id)
+        self._send(("step", deltas, step_s, snapshot(self.engine)))
+
+    def step_failed(self, error: Exception) -> None:
+        if isinstance(error, TensorParallelError):  # a worker is gone: exit, so the server fails the requests and
+            print(f"spinwheel serve: engine process exits: {error}", file=sys.stderr, flush=True)  # restarts
+            self.engine.executor.close()
+            raise SystemExit(1) from None
+        logger.exception("engine step failed; aborting the requests in flight", exc_info=error)
+        self._fail_all(EngineStepError(f"the engine failed on this batch: {error!r}"))
 
     def _fail_one(self, request_id: str, e: Exception) -> None:
         logger.error("request %s failed encoding its output; the others go on", request_id, exc_info=e)
@@ -272,7 +262,7 @@ def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
         conn.send_bytes(dumps(("ready", info)))
     except OSError:  # the server went away while this engine was starting (Ctrl-C): nobody to serve
         return
-    core = EngineCore(engine, conn)
+    core = ProcessCore(engine, conn)
     try:
         core.run()
     finally:

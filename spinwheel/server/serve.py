@@ -186,7 +186,7 @@ def build_server(
             torch.set_num_threads(config.num_threads)
         engine = engine_class(engine_config).from_pretrained(config.model, engine_config)
         for name, path in config.loras().items():
-            engine.loras.add(name, path)
+            engine.add_lora(name, path)
         if config.warmup:
             print(f"spinwheel serve: {prepare_for_serving(engine, fit_ms)}", flush=True)
     max_body = int(config.max_body_mb * (1 << 20))

@@ -11,8 +11,9 @@ The step loop: each engine's first rank is its driver — it runs the scheduler,
 the rewards for its engine's share of the step's groups (the data-parallel share of
 :func:`~spinwheel.rl.llm.rollout.dp_share` over the M engines, each group seeded by its global index as in one
 process, so the rollouts equal one process's), and ships each engine step to its engine's other ranks through a
-broadcast on the engine's gloo control group (the pattern of :class:`~spinwheel.engine.tp_executor.TPExecutor`,
-with torchrun's ranks instead of spawned workers); those ranks serve the steps (forward on their shard, the
+broadcast on the engine's gloo control group (:class:`EngineTPExecutor`, the engine's executor: a
+:class:`~spinwheel.engine.executor.ShardedExecutor` as :class:`~spinwheel.engine.tp_executor.TPExecutor` is, with
+torchrun's ranks instead of spawned workers); those ranks serve the steps (forward on their shard, the
 all-reduces, the logits' all-gather) until the driver says the episodes are done. The drivers then gather their
 episodes (a gloo group of the M drivers) and broadcast them within their engines: every rank trains on all of
 them as before. Evaluation runs on engine 0 alone (the other engines' ranks go on). Every wait has the run's
@@ -20,7 +21,7 @@ collective timeout (``--timeout-s``).
 
 With ``--lora-rank`` (under DDP, ZeRO-1/2 or ``--tp N``; the fully sharded layouts are refused for LoRA by
 :func:`~spinwheel.train.lora_run.check_one_process`) the shards get the frozen base once, at the start, and the
-policy's adapters are one adapter slot of every engine rank (:mod:`~spinwheel.engine.tp_lora`) that every request,
+policy's adapters are one adapter slot of every engine rank (:mod:`~spinwheel.engine.multi_lora`) that every request,
 rollouts and evaluation alike, runs through; each update moves the adapters alone (:class:`PolicyAdapter`,
 ``sync_bytes`` logged). Rank 0 keeps the trainer's model (DDP, ZeRO-1/2) or a copy (``--tp N``) to write the PEFT
 adapter at saves, as a LoRA run without ``--engine-tp`` does.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -40,8 +42,9 @@ import torch.distributed as dist
 
 from spinwheel.engine import LLM
 from spinwheel.engine.config import EngineConfig
+from spinwheel.engine.executor import ShardedExecutor
+from spinwheel.engine.multi_lora import AdapterRegistry
 from spinwheel.engine.tp_executor import TensorParallelError
-from spinwheel.engine.tp_lora import TPAdapterRegistry
 from spinwheel.engine.tp_reshard import Resharder, empty_shard, model_bytes
 from spinwheel.engine.tp_worker import Step, TPModelRunner, check_checkpoint_tp_degree, pool_sizes
 from spinwheel.parallel.comm import Comm
@@ -105,8 +108,8 @@ def engine_share(groups: list[list[int]], index: int, drivers_group) -> Parallel
 
 class EngineTP:
     """One rank's part of its engine (of the run's M tensor-parallel engines): its shard, the resharder that fills
-    it from the trainer, and on the engine's driver the :class:`~spinwheel.engine.LLM` whose runner drives the
-    others (it is this object's ``make_runner`` that the engine calls, through the shard's ``tp_host``).
+    it from the trainer, and on the engine's driver the :class:`~spinwheel.engine.LLM` whose executor
+    (:class:`EngineTPExecutor`, passed in) drives the others.
     ``learner``: the run's :class:`~spinwheel.train.learners.ParallelLearner`, built without an engine copy;
     ``engines``: the M engines as a dp axis (``play_share``'s ``dims``: this engine's share of a step)."""
 
@@ -126,11 +129,10 @@ class EngineTP:
         self.runner: TPModelRunner | None = None
         self.resharder.sync()  # the trainer's weights (under LoRA the base: resharded this once)
         self.shard_mb = model_bytes(self.shard) / 2**20
-        self.shard.tp_host = self  # the engine builds its runner through make_runner (tp_executor's hook)
         if self.is_driver:
-            self.llm = LLM(self.shard, tokenizer, **engine_options)
+            self.llm = LLM(self.shard, tokenizer, functools.partial(EngineTPExecutor, self), **engine_options)
         else:
-            self.runner, _ = self.make_runner(self.shard, config, engine_options["max_model_len"], driver=False)
+            self.runner = self.shard_runner(self.shard, config, engine_options["max_model_len"])
         if self.adapter is not None:
             self.sync()  # the policy's adapters as the engine's default slot: every request runs through them
 
@@ -152,26 +154,11 @@ class EngineTP:
         self.world = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
         self.engines = engine_share(groups, self.index, self.drivers)
 
-    def make_runner(self, model, config: EngineConfig, max_model_len: int, driver: bool = True):
-        """(this rank's runner over its shard, the executor: this object on the driver, else None); the pool has as
-        many blocks as one device's (each 1/N of the size), the same on every rank."""
+    def shard_runner(self, model, config: EngineConfig, max_model_len: int) -> TPModelRunner:
+        """This rank's runner over its shard; the pool has as many blocks as one device's (each 1/N of the size),
+        the same on every rank."""
         sized = pool_sizes(config, self.full_config, model.dtype, max_model_len)
-        executor = self if driver else None
-        return TPModelRunner(model, sized, max_model_len, self.axis, self.comm, executor=executor), executor
-
-    # -- the driver's side of a step (TPModelRunner calls these) ------------------------------------------------
-    def send(self, step: Step) -> None:
-        """Ship one engine step to the other ranks (they run it on their shards as this rank runs it on its own)."""
-        try:
-            dist.broadcast_object_list([step], src=self.driver, group=self.control)
-        except RuntimeError as e:
-            raise self.error(e) from e
-
-    def error(self, exc: BaseException) -> TensorParallelError:
-        return TensorParallelError(f"a collective of the RL engine's tensor-parallel group failed ({exc})")
-
-    def close(self) -> None:
-        """Nothing to stop: the other ranks are the run's own (they leave their serving loop at each stop)."""
+        return TPModelRunner(model, sized, max_model_len, self.axis, self.comm)
 
     # -- the step loop ------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -222,7 +209,7 @@ class EngineTP:
 
     # -- weight sync --------------------------------------------------------------------------------------------
     @property
-    def registry(self) -> TPAdapterRegistry:
+    def registry(self) -> AdapterRegistry:
         """This rank's adapters (over its shard)."""
         runner = self.llm.engine.runner if self.llm is not None else self.runner
         return runner.loras  # type: ignore[union-attr]
@@ -250,13 +237,43 @@ class EngineTP:
         self.figures.update({f"engine_sync_peak_mb/rank{r}": b for r, b in enumerate(peaks)})
 
 
+class EngineTPExecutor(ShardedExecutor):
+    """The executor of an engine's driver (``host``: its :class:`EngineTP`): its runner over the driver's shard, each
+    step broadcast on the engine's control group to its other ranks, which are the run's own (:meth:`EngineTP.serve`:
+    nothing to start or stop). Weights reach the shards by resharding (:meth:`EngineTP.sync`), not through here."""
+
+    def __init__(self, host: EngineTP, model, config: EngineConfig, max_model_len: int) -> None:
+        if config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--engine-tp runs the RL engine in torchrun's ranks, without stages: leave its PP degree at 1"
+            )
+        self.host = host
+        self.runner = host.shard_runner(model, config, max_model_len)
+
+    def send(self, step: Step) -> None:
+        """Ship one engine step to the other ranks (they run it on their shards as this rank runs it on its own)."""
+        try:
+            dist.broadcast_object_list([step], src=self.host.driver, group=self.host.control)
+        except RuntimeError as e:
+            raise self.error(e) from e
+
+    def error(self, exc: BaseException) -> TensorParallelError:
+        return TensorParallelError(f"a collective of the RL engine's tensor-parallel group failed ({exc})")
+
+    def update_weights(self, model_or_state_dict) -> None:
+        """The shard itself (resharded in place): re-install the runner; anything else is refused."""
+        if model_or_state_dict is not self.runner.model:
+            raise NotImplementedError("update_weights on the RL loop's engine shards: the loop reshards into them")
+        self.runner.install()
+
+
 def lora_layer_names(model: torch.nn.Module) -> list[str]:
     """The projections of ``model`` (a trainer's stage: plain or tensor-parallel) that carry LoRA factors."""
     return [name for name, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), torch.nn.Linear)]
 
 
 class PolicyAdapter:
-    """The policy's LoRA adapters as one adapter slot of every engine rank (:mod:`~spinwheel.engine.tp_lora`), the
+    """The policy's LoRA adapters as one adapter slot of every engine rank (:mod:`~spinwheel.engine.multi_lora`), the
     slot requests that name no adapter run through; the engine shard keeps the frozen base. :meth:`sync` writes this
     rank's slice of the current adapters into the slot in place. The first sync installs it from the full factors
     (:meth:`~spinwheel.parallel.trainer.ParallelTrainer.full_state_dict` of the trained parameters alone: DDP /
@@ -292,7 +309,7 @@ class PolicyAdapter:
             n: (m.lora_A.weight.detach(), m.lora_B.weight.detach().float() * self.scaling[n]) for n, m in layers.items()
         }
 
-    def sync(self, registry: TPAdapterRegistry) -> int:
+    def sync(self, registry: AdapterRegistry) -> int:
         """This rank's slot holds the policy's current adapters; returns the adapters' bytes."""
         if self.name in registry.slots:
             registry.update(self.name, self.own_factors(), sliced=self.sliced)

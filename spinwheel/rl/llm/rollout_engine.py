@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions that pass shared-memory tensors to the child
 
+from spinwheel.engine.core import EngineCore
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.lora import lora_layers
 from spinwheel.models.tokenizer import Tokenizer
@@ -72,24 +74,54 @@ def _serve(conn: Connection, spec: _Spec) -> None:
     box.state = {k: spec.weights[k] for k in spec.sync_keys}
     engine = versioned_engine(LLM(model, spec.tokenizer, **spec.options).engine, box, spec.version, spec.kv)
     conn.send(("ok", (set(engine.eos_ids), engine.max_model_len)))
-    while True:
+    RolloutCore(engine, box, conn).run()
+
+
+class RolloutCore(EngineCore):
+    """The child's :class:`~spinwheel.engine.core.EngineCore`: each call of the producer is a command, answered at
+    once, except ``step``, which the loop runs as its step (the producer decides when the engine steps: it plays the
+    episodes); between calls it waits on the pipe, and ends when the pipe closes."""
+
+    def __init__(self, engine: Any, box: Any, conn: Connection) -> None:
+        super().__init__(engine, idle_wait_s=0.0)
+        self.box, self.conn = box, conn
+        self.stream: bool | None = None  # the step asked for (its ``stream``), not run yet
+
+    def has_work(self) -> bool:
+        return self.stream is not None
+
+    def wait(self) -> None:
         try:
-            name, args = conn.recv()
+            self.commands.put(self.conn.recv())
         except (EOFError, OSError):
-            return
-        try:
+            self.stopped = True
+
+    def apply(self, commands: Iterator[tuple]) -> None:
+        for name, args in commands:
             if name == "step":
-                version, stream = args
-                box.version = max(box.version, version)
-                outputs = engine.step(stream)
-                bm = engine.block_manager
-                counts = (engine.num_prompt_tokens, bm.num_prefix_hit_tokens, engine.num_swaps, engine.num_recomputed)
-                value: Any = (outputs, counts)
-            else:
-                value = getattr(engine, name)(*args)
-            conn.send(("ok", value))
-        except Exception as e:  # noqa: BLE001 - the parent raises it in the producer
-            conn.send(("error", RuntimeError(f"the rollout engine process failed: {type(e).__name__}: {e}")))
+                version, self.stream = args
+                self.box.version = max(self.box.version, version)
+                continue
+            try:
+                value = getattr(self.engine, name)(*args)
+            except Exception as e:  # noqa: BLE001 - the parent raises it in the producer
+                self.step_failed(e)
+                continue
+            self.conn.send(("ok", value))
+
+    def step(self) -> tuple:
+        stream, self.stream = self.stream, None
+        outputs = self.engine.step(stream)
+        engine, bm = self.engine, self.engine.block_manager
+        return outputs, (engine.num_prompt_tokens, bm.num_prefix_hit_tokens, engine.num_swaps, engine.num_recomputed)
+
+    def deliver(self, outputs: tuple, step_s: float) -> None:
+        self.conn.send(("ok", outputs))
+
+    def step_failed(self, error: Exception) -> None:
+        """A call failed: the parent raises it in the producer."""
+        self.stream = None
+        self.conn.send(("error", RuntimeError(f"the rollout engine process failed: {type(error).__name__}: {error}")))
 
 
 class EngineProcess:
