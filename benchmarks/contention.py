@@ -71,8 +71,8 @@ def gen_workload():
 
 
 def sft_workload(steps: int = 24):
-    from spinwheel.train.sft import train_sft
-    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft.sft import train_sft
+    from spinwheel.train.sft.sft_config import SFTConfig
 
     tmp = scratch_dir("sft")
     runs = iter(range(10**6))

@@ -59,7 +59,7 @@ from spinwheel.rl.llm.rollout import prompts_from_task
 from spinwheel.tasks.arithmetic import ArithmeticTask, evaluate, reward
 from spinwheel.train.checkpoint import save_checkpoint
 from spinwheel.train.optim import ADAMW_BETAS, ADAMW_EPS
-from spinwheel.train.sft_data import batch_indices
+from spinwheel.train.sft.sft_data import batch_indices
 
 SYSTEMS = ("trl", "spinwheel")
 

@@ -7,7 +7,7 @@ Each layout trains ``--steps`` SFT-style steps (token-mean NLL, AdamW, clipping 
 ``--batch`` random rows on the learner the commands use: ``LocalLearner`` in one process (1 thread, then 2 threads:
 the two cores a 2-rank run gets), ``ParallelLearner`` on 2 spawned gloo ranks (1 thread each) for dp 2 (DDP),
 ZeRO-1, ZeRO-2 and tp 2. Figures per rank 0: optimizer state and gradient bytes from the tensors themselves
-(:func:`~spinwheel.parallel.zero.memory_breakdown`), collective bytes of one step (the trainer's counters; an
+(:func:`~spinwheel.parallel.data.zero.memory_breakdown`), collective bytes of one step (the trainer's counters; an
 all-reduce of Ψ bytes counts 2Ψ) and the median step time after two warm-up steps. The machine is shared: the load
 average is printed with the table.
 """
@@ -26,8 +26,8 @@ from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.parallel.comm import metrics_since
+from spinwheel.parallel.data.zero import memory_breakdown
 from spinwheel.parallel.trainer import nll_loss
-from spinwheel.parallel.zero import memory_breakdown
 from spinwheel.train.learners import LocalLearner, OptimConfig, ParallelLearner
 
 LAYOUTS = {"dp2": dict(dp=2), "zero1": dict(zero=1), "zero2": dict(zero=2), "tp2": dict(tp=2)}

@@ -4,7 +4,7 @@
     python benchmarks/lora_sync.py [--model small] [--rank 8] [--updates 20] [--run-steps 4]
 
 1. **Engine level.** A LoRA policy (``--rank``, every projection) and two engine copies of it: one keeps its LoRA
-   layers and receives the adapters alone after each update (:func:`~spinwheel.rl.llm.weight_sync.sync_state`,
+   layers and receives the adapters alone after each update (:func:`~spinwheel.rl.llm.rollouts.weight_sync.sync_state`,
    loaded in place, unmerged); the other is a plain copy of the base that receives every weight of the merged model
    (W + s·B·A folded in on the trainer's side, then copied), which is what an engine without LoRA layers needs. Each
    "update" moves every adapter factor (random steps, as AdamW moves them). Median seconds of the trainer's side
@@ -28,7 +28,7 @@ from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.hf import load_model
 from spinwheel.models.lora import LoRAConfig, apply_lora, lora_layers, lora_parameters
 from spinwheel.models.tokenizer import load_tokenizer
-from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
+from spinwheel.rl.llm.rollouts.weight_sync import state_bytes, sync_state
 
 PROMPTS = ["12+34=", "70+59=", "99+99=", "5+68="]
 

@@ -1,5 +1,7 @@
-"""Paged attention on CUDA: the Triton kernels (spinwheel/engine/triton_attention.py, blocks read in place through
-the block tables) against the gather path of spinwheel/engine/attention.py (blocks copied, then SDPA), on one decode
+"""Paged attention on CUDA: the Triton kernels (spinwheel/engine/kernels/triton_attention.py, blocks read in place
+through
+the block tables) against the gather path of spinwheel/engine/kernels/attention.py (blocks copied, then SDPA), on one
+decode
 step (a bucket of sequences with one query token each) and one prefill step (chunks after a cached prefix), the
 caches' blocks scattered in the pool as the engine's are.
 
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-from spinwheel.engine.attention import (
+from spinwheel.engine.kernels.attention import (
     DecodeBucket,
     PagedAttentionMetadata,
     PrefillSpan,
@@ -106,7 +108,9 @@ def main() -> None:
     args = parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    kernels = triton_kernels() if dev.type == "cuda" else None  # spinwheel.engine.triton_attention, if it imports
+    kernels = (
+        triton_kernels() if dev.type == "cuda" else None
+    )  # spinwheel.engine.kernels.triton_attention, if it imports
     if kernels is None:
         why = "triton does not import" if dev.type == "cuda" else "no CUDA device (on CPU Triton only interprets)"
         print(f"{why}: timing the gather path only")

@@ -1,7 +1,7 @@
 """PagedAttention against Orca's reservation on one fixed KV budget (Kwon et al., SOSP 2023, §3 and §6): the same
 engine, model and mixed-length workload run twice in one process — ``kv_allocation="paged"`` (blocks as tokens need
 them) and ``kv_allocation="reserved"`` (every block of prompt + max_tokens taken at admission,
-:mod:`spinwheel.engine.reservation`) — and the ratios printed.
+:mod:`spinwheel.engine.kv.reservation`) — and the ratios printed.
 
 Modes: paged with recompute preemption (the engine's default), paged with swap preemption, reserved. Prints for
 each: the largest and mean batch (sequences per iteration), iterations, preemptions, the KV slots

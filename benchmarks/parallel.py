@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelDims, spawn
-from spinwheel.parallel.ddp import DistributedDataParallel
-from spinwheel.parallel.fsdp import FullyShardedDataParallel
-from spinwheel.parallel.zero import memory_breakdown, optimizer_state_tensors, storage_bytes
+from spinwheel.parallel.data.ddp import DistributedDataParallel
+from spinwheel.parallel.data.fsdp import FullyShardedDataParallel
+from spinwheel.parallel.data.zero import memory_breakdown, optimizer_state_tensors, storage_bytes
 
 SYSTEMS = ("spinwheel-ddp", "torch-ddp", "spinwheel-fsdp", "torch-fsdp2")
 

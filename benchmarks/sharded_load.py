@@ -1,5 +1,5 @@
 """Per-rank memory of the start-up load under a sharded layout (issue 26): the lazy load
-(:mod:`spinwheel.parallel.lazy_load`) against the old path (the full checkpoint read on every rank, then cut and
+(:mod:`spinwheel.parallel.io.lazy_load`) against the old path (the full checkpoint read on every rank, then cut and
 sharded by ``parallelize``).
 
     python benchmarks/sharded_load.py [--hidden 1024] [--layers 8] [--vocab 32000] [--json out.json]
@@ -63,7 +63,7 @@ class Sampler(threading.Thread):
 def rank_load(rank: int, world_size: int, path: str, layout: dict, lazy: bool) -> dict:
     from spinwheel.models.hf import load_model
     from spinwheel.parallel import ParallelConfig, ParallelTrainer
-    from spinwheel.parallel.lazy_load import load_figures
+    from spinwheel.parallel.io.lazy_load import load_figures
 
     before = status_mb()
     sampler = Sampler()

@@ -1,5 +1,5 @@
 """Per-rank memory and time of a parallel learner's checkpoint save under a sharded layout (issue 26): the streamed
-save (:mod:`spinwheel.parallel.streamed_save`: ``model.safetensors`` written tensor by tensor, each gathered to
+save (:mod:`spinwheel.parallel.io.streamed_save`: ``model.safetensors`` written tensor by tensor, each gathered to
 rank 0 alone) against the gathering one it replaces (:func:`~spinwheel.train.parallel_checkpoint.save_gathered`:
 the full state on every rank, a full ``Transformer`` on rank 0 for ``save_pretrained``).
 

@@ -5,7 +5,7 @@ update for a model of a given size, by bucket size, between local processes.
     .venv/bin/python benchmarks/weight_broadcast.py --mib 32 --ranks 3  # smaller, two receivers
 
 The state is a transformer-like list of fp32 tensors (a few large matrices, many small vectors); each timing is one
-full broadcast (:func:`~spinwheel.rl.llm.rollout_wire.broadcast_weights`, as the run does it after an update,
+full broadcast (:func:`~spinwheel.rl.llm.rollouts.rollout_wire.broadcast_weights`, as the run does it after an update,
 receivers copying out of each bucket), the median of ``--repeats``, after one warm-up; the receivers' values are
 checked against the source's.
 """
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from spinwheel.parallel import spawn  # noqa: E402
-from spinwheel.rl.llm.rollout_wire import broadcast_weights  # noqa: E402
+from spinwheel.rl.llm.rollouts.rollout_wire import broadcast_weights  # noqa: E402
 
 
 def state(mib: float) -> list[torch.Tensor]:

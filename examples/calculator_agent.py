@@ -7,7 +7,7 @@ last integer is checked against the product. Up to ``max_turns`` calls, as the `
 
 Train it with spinwheel (the policy served on a local base URL, every call's tokens recorded)::
 
-    from spinwheel.rl.llm.agent_proxy import load_agent, play_agent_episodes
+    from spinwheel.rl.llm.agents.agent_proxy import load_agent, play_agent_episodes
     agent = load_agent("examples/calculator_agent.py:agent")
     episodes = play_agent_episodes(llm, agent, tasks(8), group_size=4)
 

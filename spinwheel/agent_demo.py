@@ -140,8 +140,8 @@ def run_agent_demo(config: DemoConfig) -> dict:
     """SFT on tool-shy expert traces → GRPO with the calculator tool → held-out success before/after."""
     from spinwheel.envs.expert import expert_rows
     from spinwheel.rl.llm import RLConfig, train_rl
-    from spinwheel.train.sft import train_sft
-    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft.sft import train_sft
+    from spinwheel.train.sft.sft_config import SFTConfig
 
     r, t0 = RECIPE, time.perf_counter()
     agent = prepare_agent_dir(Path(config.out_dir))

@@ -22,7 +22,7 @@ from spinwheel.config import add_arguments, from_args, option
 if TYPE_CHECKING:
     from spinwheel.engine import EngineConfig, SamplingParams
 from spinwheel.tasks.arithmetic import ArithmeticConfig
-from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft.sft_config import SFTConfig
 from spinwheel.user_code import exit_despite_threads
 
 DESCRIPTION = (
@@ -260,7 +260,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
         run_demo(from_args(DemoConfig, ns))
     elif ns.command == "sft":
-        from spinwheel.train.sft import train_sft
+        from spinwheel.train.sft.sft import train_sft
 
         train_sft(_sft_from_args(ns), announce=True)
     elif ns.command in PREF_COMMANDS:

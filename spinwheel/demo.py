@@ -152,8 +152,8 @@ def run_demo(config: DemoConfig) -> dict:
 
 def _main_story(config: DemoConfig, out: Path) -> dict:
     from spinwheel.rl.llm import train_rl
-    from spinwheel.train.sft import train_sft
-    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft.sft import train_sft
+    from spinwheel.train.sft.sft_config import SFTConfig
 
     t0 = time.perf_counter()
     common = dict(

@@ -25,7 +25,7 @@ from spinwheel.models import ModelConfig, Transformer
 from spinwheel.models.presets import preset_config
 from spinwheel.parallel import ParallelConfig, ParallelTrainer
 from spinwheel.parallel.mesh import ParallelDims
-from spinwheel.rl.llm.agent_proxy import agent_metrics
+from spinwheel.rl.llm.agents.agent_proxy import agent_metrics
 from spinwheel.rl.llm.episode_tokens import Episode, episode_batch, episode_metrics, episode_rewards
 from spinwheel.rl.llm.rollout import Prompt, Rollout, dp_share, gather_dp, sample_seed
 from spinwheel.rl.llm.token_advantages import group_advantages

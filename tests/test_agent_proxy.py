@@ -1,4 +1,4 @@
-"""Black-box agents (spinwheel.rl.llm.agent_proxy): an agent written against the ``openai`` client, served the
+"""Black-box agents (spinwheel.rl.llm.agents.agent_proxy): an agent written against the ``openai`` client, served the
 policy on a local base URL; its calls' tokens recorded as the engine sampled them, chained into one episode whose mask
 covers the sampled tokens only; agents that fail, hang or cannot be recorded counted; a short GRPO run on the
 recorded episodes raising the agent's reward."""
@@ -17,8 +17,8 @@ from helpers import grpo_step, run_cli
 
 import spinwheel
 from spinwheel.engine import LLM, SamplingParams
-from spinwheel.rl.llm.agent_calls import ModelCall, chain_calls
-from spinwheel.rl.llm.agent_proxy import AgentConfig, agent_metrics, load_agent, play_agent_episodes
+from spinwheel.rl.llm.agents.agent_calls import ModelCall, chain_calls
+from spinwheel.rl.llm.agents.agent_proxy import AgentConfig, agent_metrics, load_agent, play_agent_episodes
 from spinwheel.rl.llm.episode_tokens import episode_batch, episode_metrics, episode_rewards
 from spinwheel.rl.llm.episodes import turn_seed
 from spinwheel.train.learners import LocalLearner, OptimConfig
@@ -176,7 +176,7 @@ def test_chat_calls_chain_when_the_template_renders_the_sampled_tokens(llm):
 
 def test_load_agent_one_line_errors():
     assert load_agent(f"{EXAMPLE}:agent").__name__ == "agent"
-    assert load_agent("spinwheel.rl.llm.agent_proxy:load_agent") is load_agent
+    assert load_agent("spinwheel.rl.llm.agents.agent_proxy:load_agent") is load_agent
     for spec, needle in [("nocolon", "module:function"), ("no_such_mod:f", "cannot import"), (f"{EXAMPLE}:nope", "no")]:
         with pytest.raises(ValueError, match=needle):
             load_agent(spec)
@@ -246,7 +246,7 @@ def test_grpo_agent_option_trains_on_the_agent_runs(tmp_path, monkeypatch):
     from helpers import small_config
 
     from spinwheel.rl.llm import train_rl
-    from spinwheel.rl.llm.agent_run import AgentTasks
+    from spinwheel.rl.llm.agents.agent_run import AgentTasks
     from spinwheel.train.metrics import read_metrics
 
     (tmp_path / "digits_agent.py").write_text(DIGITS_AGENT)
@@ -265,7 +265,7 @@ def test_grpo_agent_option_trains_on_the_agent_runs(tmp_path, monkeypatch):
     for kw, needle in [
         (dict(agent="nope:f"), "--agent 'nope:f': cannot import nope"),
         (dict(agent="digits_agent:agent", agent_tasks="digits_agent:nope"), "--agent-tasks 'digits_agent:nope'"),
-        (dict(agent="spinwheel.rl.llm.agent_proxy:load_agent"), "its module has no function task"),
+        (dict(agent="spinwheel.rl.llm.agents.agent_proxy:load_agent"), "its module has no function task"),
     ]:
         with pytest.raises(ValueError, match=needle):
             AgentTasks(small_config(tmp_path / "bad", **{**base, **kw}))

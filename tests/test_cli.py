@@ -14,7 +14,7 @@ import spinwheel
 from spinwheel.cli import GenerateConfig, PlacementConfig, build_parser, main
 from spinwheel.demo import DemoConfig
 from spinwheel.tasks.arithmetic import ArithmeticConfig
-from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft.sft_config import SFTConfig
 
 
 @pytest.mark.parametrize(

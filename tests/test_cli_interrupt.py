@@ -23,8 +23,8 @@ from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.tasks.data import write_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.metrics import read_metrics
-from spinwheel.train.sft import train_sft
-from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft.sft import train_sft
+from spinwheel.train.sft.sft_config import SFTConfig
 
 SFT = [
     "--model",

@@ -13,9 +13,9 @@ import pytest
 from spinwheel.cli import main
 from spinwheel.config import GROUPS, add_arguments, check_ranges, option, redefault
 from spinwheel.parallel.mesh import ParallelError
-from spinwheel.rl.llm.pref_config import DPOConfig, PreferenceConfig, RMConfig
+from spinwheel.preference.pref_config import DPOConfig, PreferenceConfig, RMConfig
 from spinwheel.train.run_config import RunConfig
-from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft.sft_config import SFTConfig
 
 
 @dataclass

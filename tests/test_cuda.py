@@ -13,7 +13,7 @@ import transformers
 from helpers import TINY_LLAMA_EOS, TINY_LLAMA_VOCAB
 
 from spinwheel.engine import LLM, SamplingParams
-from spinwheel.engine.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, paged_attention
+from spinwheel.engine.kernels.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, paged_attention
 from spinwheel.models import load_model
 from spinwheel.models.transformer import SDPAAttention
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from spinwheel.models.tokenizer import Tokenizer, load_tokenizer
+from spinwheel.preference.preference_data import pairs_from_jsonl
 from spinwheel.rl.llm.build import load_prompts
 from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm.preference_data import pairs_from_jsonl
 from spinwheel.tasks.data import (
     MAX_LINE_BYTES,
     DataError,
@@ -22,8 +22,8 @@ from spinwheel.tasks.data import (
     read_rl_jsonl,
     read_sft_jsonl,
 )
-from spinwheel.train.sft_config import SFTConfig
-from spinwheel.train.sft_data import build_data
+from spinwheel.train.sft.sft_config import SFTConfig
+from spinwheel.train.sft.sft_data import build_data
 
 READERS = [read_sft_jsonl, read_rl_jsonl, read_preference_jsonl]
 SFT_LINE = json.dumps({"prompt": "1+1=", "completion": "2"})

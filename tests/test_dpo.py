@@ -14,10 +14,10 @@ from spinwheel.models.presets import preset_config
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig
-from spinwheel.rl.llm.dpo import DPOLoss, dpo_batch, train_dpo, with_reference
-from spinwheel.rl.llm.pref_config import DPOConfig
-from spinwheel.rl.llm.preference_data import SampledGroups, TaskPrompt, self_generated_pairs, tokenize_pair
-from spinwheel.rl.llm.preference_losses import dpo_loss
+from spinwheel.preference.dpo import DPOLoss, dpo_batch, train_dpo, with_reference
+from spinwheel.preference.pref_config import DPOConfig
+from spinwheel.preference.preference_data import SampledGroups, TaskPrompt, self_generated_pairs, tokenize_pair
+from spinwheel.preference.preference_losses import dpo_loss
 from spinwheel.tasks.data import DataError, read_preference_jsonl, write_jsonl
 from spinwheel.train.learners import LocalLearner, OptimConfig
 

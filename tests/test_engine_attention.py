@@ -5,8 +5,8 @@ import shutil
 import pytest
 import torch
 
-from spinwheel.engine.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, paged_attention
-from spinwheel.engine.cpu_kernels import load_kernels, paged_decode_attention
+from spinwheel.engine.kernels.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, paged_attention
+from spinwheel.engine.kernels.cpu_kernels import load_kernels, paged_decode_attention
 from spinwheel.models.transformer import SDPAAttention
 
 

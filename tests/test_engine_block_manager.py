@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spinwheel.engine.block_manager import AllocStatus, BlockManager
+from spinwheel.engine.kv.block_manager import AllocStatus, BlockManager
 
 
 def test_fork_shares_and_copy_on_write_copies_last_block():

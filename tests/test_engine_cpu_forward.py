@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spinwheel.engine import LLM, SamplingParams, cpu_forward, cpu_kernels, model_runner
+from spinwheel.engine import LLM, SamplingParams, model_runner
+from spinwheel.engine.kernels import cpu_forward, cpu_kernels
 from spinwheel.models import ModelConfig, Transformer
 from spinwheel.models.transformer import RMSNorm, apply_rope
 

@@ -10,9 +10,9 @@ import spinwheel
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.engine.executor import InProcessExecutor
 from spinwheel.engine.executor_factory import EXECUTORS
-from spinwheel.engine.pp_executor import PPExecutor
-from spinwheel.engine.tp_executor import TPExecutor
-from spinwheel.engine.tp_pp import TPPPExecutor
+from spinwheel.engine.parallel.pp_executor import PPExecutor
+from spinwheel.engine.parallel.tp_executor import TPExecutor
+from spinwheel.engine.parallel.tp_pp import TPPPExecutor
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 

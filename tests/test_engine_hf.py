@@ -6,7 +6,7 @@ import torch
 from helpers import TINY_LLAMA_EOS, TINY_LLAMA_VOCAB
 
 from spinwheel.engine import LLM, SamplingParams  # noqa: E402
-from spinwheel.engine.cpu_kernels import load_kernels  # noqa: E402
+from spinwheel.engine.kernels.cpu_kernels import load_kernels  # noqa: E402
 
 VOCAB, EOS = TINY_LLAMA_VOCAB, TINY_LLAMA_EOS  # the `tiny_llama` checkpoint's (conftest.py)
 MAX_NEW = 20

@@ -2,7 +2,7 @@
 
 The engine process of ``spinwheel serve`` grew by ~0.4 GiB in four minutes of the soak. The cause was oneDNN, not
 Python: every new row count of the packed projections compiled new primitives, kept in caches of 1024 entries
-(see :mod:`spinwheel.engine.cpu_forward`). These tests pin the fix (row buckets, bounded caches) and that the
+(see :mod:`spinwheel.engine.kernels.cpu_forward`). These tests pin the fix (row buckets, bounded caches) and that the
 engine's own per-request state does not outlive its requests.
 """
 
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams, cpu_forward
+from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
+from spinwheel.engine.kernels import cpu_forward
 from spinwheel.server.output_deltas import DeltaEncoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ _SOAK_MIX = """
 import json, random, sys
 import torch
 from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
-from spinwheel.engine.cpu_forward import bound_primitive_caches
+from spinwheel.engine.kernels.cpu_forward import bound_primitive_caches
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024

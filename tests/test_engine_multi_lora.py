@@ -9,7 +9,7 @@ from helpers import all_blocks_free, random_adapter, server_model
 
 import spinwheel
 from spinwheel.engine import LLM, SamplingParams
-from spinwheel.engine.block_manager import BlockManager
+from spinwheel.engine.kv.block_manager import BlockManager
 from spinwheel.models.lora import LoRAConfig, LoRAError, apply_lora
 
 PROMPTS = ["12+34=", "hello there", "7*8=", "The quick brown fox"]

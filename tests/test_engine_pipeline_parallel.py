@@ -28,7 +28,7 @@ import torch
 from helpers import TINY_LLAMA_EOS, TINY_LLAMA_VOCAB, tiny_engine_model
 
 from spinwheel.engine import LLM, SamplingParams
-from spinwheel.engine.pp_executor import PipelineParallelError
+from spinwheel.engine.parallel.pp_executor import PipelineParallelError
 
 pytestmark = [pytest.mark.distributed]
 
@@ -139,7 +139,7 @@ def test_abort_of_a_request_in_flight_waits_for_its_iteration(engines):
 
 @pytest.mark.slow  # the module's engine (2 processes)
 def test_warm_up_leaves_every_micro_batch_as_it_was(engines):
-    from spinwheel.engine.warmup import warm_up
+    from spinwheel.engine.kernels.warmup import warm_up
 
     engine = engines[0].engine
     counters = lambda: [(m.scheduler.num_preemptions, m.block_manager.num_prefix_queried_tokens) for m in engine.micro]  # noqa: E731

@@ -276,7 +276,7 @@ def test_engine_accounting_under_random_requests_preemption_and_aborts(model, re
 
 
 def test_flush_denormal_is_scoped_to_the_step():
-    from spinwheel.engine.denormals import _denormals_flushed, flush_denormal
+    from spinwheel.engine.kernels.denormals import _denormals_flushed, flush_denormal
 
     assert not _denormals_flushed()
     with flush_denormal(True):
@@ -287,7 +287,7 @@ def test_flush_denormal_is_scoped_to_the_step():
 def test_greedy_kernel_matches_argmax_and_log_softmax():
     """The fused greedy reduction: torch.argmax's first maximum and log_softmax at it, to fp32 rounding; rows with a
     NaN or an infinite maximum are left to PyTorch (None)."""
-    from spinwheel.engine import cpu_kernels
+    from spinwheel.engine.kernels import cpu_kernels
 
     if cpu_kernels.load_kernels() is None:
         pytest.skip("no C compiler")

@@ -23,7 +23,7 @@ import pytest
 from helpers import tiny_engine_model
 
 from spinwheel.engine import LLM, SamplingParams
-from spinwheel.engine.tp_executor import TensorParallelError
+from spinwheel.engine.parallel.tp_executor import TensorParallelError
 
 # small pool (20 blocks of 4 = 80 tokens for up to 8 sequences) and token budget: preemption and chunked prefill
 CONFIG = dict(num_kv_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)

@@ -30,8 +30,8 @@ from helpers import random_adapter, server_model, tiny_engine_model
 
 import spinwheel
 from spinwheel.engine import LLM, SamplingParams
-from spinwheel.engine.tp_executor import TensorParallelError
-from spinwheel.rl.llm.engine_tp import EngineTPExecutor
+from spinwheel.engine.parallel.tp_executor import TensorParallelError
+from spinwheel.rl.llm.rollouts.engine_tp import EngineTPExecutor
 
 pytestmark = [pytest.mark.distributed]
 

@@ -1,4 +1,5 @@
-"""The start-up step of ``spinwheel serve`` (spinwheel.engine.warmup): one step at the full token budget, then no
+"""The start-up step of ``spinwheel serve`` (spinwheel.engine.kernels.warmup): one step at the full token budget, then
+no
 trace of it — no blocks, no cached prefixes, counters and the sampler's seed as before."""
 
 import dataclasses
@@ -7,7 +8,7 @@ import pytest
 from helpers import tiny_engine_model
 
 from spinwheel.engine import EngineConfig, LLMEngine, SamplingParams
-from spinwheel.engine.warmup import warm_up, warmup_prompts
+from spinwheel.engine.kernels.warmup import warm_up, warmup_prompts
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_warm_up_fits_any_pool_and_limits(model, kw):
 
 
 def test_prepare_for_serving_fits_the_decode_step_budget_to_the_time_target(model, monkeypatch):
-    from spinwheel.engine import warmup
+    from spinwheel.engine.kernels import warmup
 
     def prepare_for_serving(engine, ms, step_s=None):
         if step_s is not None:  # a machine on which the 256-token warm-up step takes step_s seconds

@@ -168,7 +168,7 @@ def test_chat_off_keeps_raw_text_and_auto_follows_the_template():
     with pytest.raises(ValueError, match="give --chat on, or drop --system-prompt"):
         resolve_chat("auto", char, "S")
     from spinwheel.rl.llm import RLConfig
-    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft.sft_config import SFTConfig
 
     for config in (RLConfig, SFTConfig):  # refused before anything loads
         with pytest.raises(ValueError, match="--system-prompt needs chat rendering: drop --chat off"):
@@ -231,8 +231,8 @@ def test_conversational_jsonl_lines(tmp_path):
 
 
 def test_sft_plain_and_conversational_lines_under_chat(tmp_path):
-    from spinwheel.train.sft_config import SFTConfig
-    from spinwheel.train.sft_data import build_data
+    from spinwheel.train.sft.sft_config import SFTConfig
+    from spinwheel.train.sft.sft_data import build_data
 
     data = tmp_path / "sft.jsonl"
     prompt = [{"role": "user", "content": "3+4="}]

@@ -13,9 +13,9 @@ from spinwheel.envs.dataset import is_trl_style
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.rl.llm.rewards import RewardError
 from spinwheel.tasks.data import DataError, read_sft_jsonl
-from spinwheel.train.sft import train_sft
-from spinwheel.train.sft_config import SFTConfig
-from spinwheel.train.sft_data import build_data, collate
+from spinwheel.train.sft.sft import train_sft
+from spinwheel.train.sft.sft_config import SFTConfig
+from spinwheel.train.sft.sft_data import build_data, collate
 
 REWARDS = """
 calls = []

@@ -24,7 +24,7 @@ from helpers import MAX_NORM, WEIGHT_DECAY, batches, make_model, rel_err, schedu
 from spinwheel.models.lora import LoRAConfig, adapters_disabled, apply_lora, lora_parameters
 from spinwheel.models.transformer import token_logprobs
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
-from spinwheel.parallel.zero import memory_breakdown
+from spinwheel.parallel.data.zero import memory_breakdown
 from spinwheel.train.lora_run import check_one_process
 from spinwheel.train.optim import ADAMW_BETAS, build_adamw, decays
 
@@ -162,7 +162,7 @@ def test_unsupported_layouts_are_refused_in_one_line():
 
 def sft_config(out_dir, **kw):
     from spinwheel.tasks.arithmetic import ArithmeticConfig
-    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft.sft_config import SFTConfig
 
     base = dict(
         model="test",
@@ -190,7 +190,7 @@ RL_LORA = dict(steps=3, lora_rank=4, lora_alpha=8, beta=0.05)
 def _worker(rank: int, world_size: int, refs: dict, root: str) -> dict:
     """Every layout on the trainer, then the commands: one spawned world for the whole module."""
     from spinwheel.rl.llm.loop import train_rl
-    from spinwheel.train.sft import train_sft
+    from spinwheel.train.sft.sft import train_sft
 
     results = _layout_worker(rank, world_size, refs)
     tp2 = ParallelConfig(tp=2)
@@ -209,7 +209,7 @@ def test_lora_under_layouts_trains_like_one_process(tmp_path, digit_reward):
     from spinwheel.models.lora_io import ADAPTER_WEIGHTS
     from spinwheel.rl.llm.loop import train_rl
     from spinwheel.train.metrics import read_metrics
-    from spinwheel.train.sft import train_sft
+    from spinwheel.train.sft.sft import train_sft
 
     refs = {tied: reference(tied) for tied in (False, True)}
     train_sft(sft_config(tmp_path / "sft-one"))

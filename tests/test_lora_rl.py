@@ -13,11 +13,11 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.lora import LoRAConfig, LoRALinear, lora_parameters
 from spinwheel.models.lora_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from spinwheel.models.tokenizer import Tokenizer
+from spinwheel.preference.dpo import DPOLoss, train_dpo, with_reference
+from spinwheel.preference.pref_config import DPOConfig, RMConfig
+from spinwheel.preference.preference_data import PreferencePair
+from spinwheel.preference.reward_model import reward_model_fn, train_rm
 from spinwheel.rl.llm import loop
-from spinwheel.rl.llm.dpo import DPOLoss, train_dpo, with_reference
-from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
-from spinwheel.rl.llm.preference_data import PreferencePair
-from spinwheel.rl.llm.reward_model import reward_model_fn, train_rm
 from spinwheel.tasks.data import write_jsonl
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.learners import LocalLearner
@@ -105,7 +105,7 @@ def write_pairs(path, n: int = 24) -> None:
 
 def test_dpo_with_lora_references_the_base_without_a_copy_and_writes_an_adapter(tmp_path, monkeypatch):
     write_pairs(tmp_path / "pairs.jsonl")
-    import spinwheel.rl.llm.dpo as dpo
+    import spinwheel.preference.dpo as dpo
 
     def no_second_model(*args, **kwargs):
         raise AssertionError("LoRA DPO loaded a second model for its reference")

@@ -125,8 +125,8 @@ def test_merge_writes_a_plain_checkpoint_with_the_adapter_s_logits(adapters, tmp
 
 def test_a_lora_run_from_an_adapter_trains_new_adapters_on_the_merged_model(adapters, tmp_path):
     from spinwheel.tasks.arithmetic import ArithmeticConfig
-    from spinwheel.train.sft import train_sft
-    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft.sft import train_sft
+    from spinwheel.train.sft.sft_config import SFTConfig
 
     root, merged = adapters
     config = SFTConfig(

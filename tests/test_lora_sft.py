@@ -11,8 +11,8 @@ from spinwheel.models.lora import LoRAError, lora_layers, lora_parameters
 from spinwheel.models.lora_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.metrics import read_metrics
-from spinwheel.train.sft import train_sft
-from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft.sft import train_sft
+from spinwheel.train.sft.sft_config import SFTConfig
 
 
 def lora_sft_config(out_dir, **kw) -> SFTConfig:

@@ -1,4 +1,5 @@
-"""Adapter-only weight sync (``rl/llm/weight_sync.py``): with LoRA, an engine that holds its own copy of the policy
+"""Adapter-only weight sync (``rl/llm/rollouts/weight_sync.py``): with LoRA, an engine that holds its own copy of the
+policy
 receives the adapters alone after an update and then generates, token for token, what an engine given every weight
 of the merged model generates; the bytes sent are the adapters'; an RL run with the rollout producer
 (``--max-staleness``) logs them per update."""
@@ -15,7 +16,7 @@ import spinwheel
 from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.lora import LoRAConfig, apply_lora, lora_parameters, merge
 from spinwheel.rl.llm import loop
-from spinwheel.rl.llm.weight_sync import state_bytes, sync_state
+from spinwheel.rl.llm.rollouts.weight_sync import state_bytes, sync_state
 
 PROMPTS = ["12+34=", "hello there", "7*8=", "The quick brown fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

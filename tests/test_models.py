@@ -180,7 +180,7 @@ def test_truncated_checkpoint_file_is_one_error_naming_it(tmp_path):
     file = _saved(tmp_path) / "model.safetensors"
     data = file.read_bytes()
     file.write_bytes(data[: len(data) // 2])  # an interrupted copy or download
-    for lazy in (False, True):  # lazy: the learners' path under torchrun (parallel/lazy_load.py)
+    for lazy in (False, True):  # lazy: the learners' path under torchrun (parallel/io/lazy_load.py)
         with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file .*truncated"):
             spinwheel.load_model(tmp_path, lazy=lazy)
 

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from spinwheel.engine import LLM, SamplingParams, cpu_forward
+from spinwheel.engine import LLM, SamplingParams
+from spinwheel.engine.kernels import cpu_forward
 from spinwheel.models import ModelConfig, Transformer
 from spinwheel.models.lora import LoRAConfig, adapters_disabled, apply_lora, lora_parameters
 

@@ -17,7 +17,7 @@ import torch
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
-from spinwheel.parallel.buffers import NUM_SLOTS
+from spinwheel.parallel.data.buffers import NUM_SLOTS
 
 VOCAB, STEPS, BUFFER_MB = 64, 3, 0.01
 BUFFER_BYTES = int(BUFFER_MB * 2**20)
@@ -165,8 +165,8 @@ def test_cb_buffers_are_constant_and_reused(measured, name):
 
 
 def test_pieces_cover_the_shard_in_buffer_sized_ranges():
-    from spinwheel.parallel.buffers import CommBuffers
     from spinwheel.parallel.comm import Comm
+    from spinwheel.parallel.data.buffers import CommBuffers
     from spinwheel.parallel.mesh import Axis
 
     axis = Axis("dp_shard", (0, 1, 2, 3), 0)  # only sizes are read: no process group needed

@@ -8,7 +8,7 @@ gathered in bf16, gradients reduced in fp32 or bf16, AdamW on the fp32 masters.
 * per-rank bytes: fp32 masters 4Ψ/N, fp32 shard gradients 4Ψ/N, Adam 8Ψ/N and the bf16 parameters of the units
   gathered at once (the root, the block that runs and the prefetched one: 2 bytes each; ZeRO-3 does not prefetch)
   within 5% of
-  :func:`~spinwheel.parallel.mixed_precision.fsdp_memory_formula`.
+  :func:`~spinwheel.parallel.data.mixed_precision.fsdp_memory_formula`.
 
 bf16 matmuls are slow on CPU, so the model is tiny and the run short.
 """
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
-from spinwheel.parallel.mixed_precision import fsdp_memory_formula
-from spinwheel.parallel.zero import memory_breakdown
+from spinwheel.parallel.data.mixed_precision import fsdp_memory_formula
+from spinwheel.parallel.data.zero import memory_breakdown
 
 STEPS, VOCAB, BATCH, SEQ, LR = 4, 64, 8, 8, 1e-3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -27,8 +27,8 @@ from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelDims, parallelize, spawn
 from spinwheel.parallel.comm import Comm
-from spinwheel.parallel.ddp import DistributedDataParallel
-from spinwheel.parallel.flat_param import UnitState
+from spinwheel.parallel.data.ddp import DistributedDataParallel
+from spinwheel.parallel.data.flat_param import UnitState
 
 LAYERS, VOCAB, B, T = 4, 64, 2, 8
 UNUSED_TIMEOUT_S = 10  # a collective that waits longer fails the unused-parameter test instead of hanging it

@@ -33,7 +33,7 @@ from spinwheel.parallel.remat_partition import WholeInput
 from spinwheel.parallel.remat_region import CheckpointRegion
 from spinwheel.parallel.tensor import vocab_parallel_cross_entropy
 from spinwheel.train.resume import check_resume
-from spinwheel.train.sft import RESUME_HARMLESS
+from spinwheel.train.sft.sft import RESUME_HARMLESS
 
 VOCAB, B, T, L, LR, STEPS = 64, 3, 10, 6, 0.1, 3
 CONFIG = preset_config("test", VOCAB, num_hidden_layers=L)

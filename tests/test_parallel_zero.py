@@ -13,7 +13,7 @@ import torch
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
-from spinwheel.parallel.zero import memory_breakdown, zero_memory_formula
+from spinwheel.parallel.data.zero import memory_breakdown, zero_memory_formula
 
 WORLD = 4
 LAYOUTS = {

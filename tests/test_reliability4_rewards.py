@@ -12,7 +12,7 @@ from spinwheel.envs import EnvError
 from spinwheel.envs.base import Step
 from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.agent_calls import ModelCall, agent_episode
+from spinwheel.rl.llm.agents.agent_calls import ModelCall, agent_episode
 from spinwheel.rl.llm.env_calls import EnvCallError, checked_step
 from spinwheel.rl.llm.token_advantages import group_advantages, reinforce_pp_advantages, rloo_advantages, whiten
 from spinwheel.train.metrics import read_metrics

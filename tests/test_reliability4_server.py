@@ -14,7 +14,7 @@ from helpers import MODEL, server_model
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server import BackgroundServer, OpenAIServer
-from spinwheel.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from spinwheel.server.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 
 
 def strict(text: str):

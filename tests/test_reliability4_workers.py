@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from spinwheel.engine.workers import TensorParallelError, WorkerProcesses
+from spinwheel.engine.parallel.workers import TensorParallelError, WorkerProcesses
 
 SCRIPT = """
 from spinwheel.engine import LLM
@@ -31,7 +31,9 @@ def test_an_engine_started_without_the_main_guard_fails_at_once_saying_how_to_fi
     took = time.monotonic() - start
     assert done.returncode == 1 and "generated" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("spinwheel.engine.workers.TensorParallelError: tensor-parallel worker 1"), done.stderr
+    assert last.startswith("spinwheel.engine.parallel.workers.TensorParallelError: tensor-parallel worker 1"), (
+        done.stderr
+    )
     assert "if __name__ == '__main__':" in last and "unguarded.py" in last
     assert done.stderr.count("Traceback") == 1, done.stderr  # the driver's alone: no chained one, none from the worker
     assert took < 30  # not the process group's 60 s timeout (a fresh interpreter and torch take a few seconds)

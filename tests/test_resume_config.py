@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spinwheel.train.resume import check_resume, config_changes
-from spinwheel.train.sft import RESUME_HARMLESS
+from spinwheel.train.sft.sft import RESUME_HARMLESS
 
 
 def test_changes_are_listed_with_their_command_line_names():

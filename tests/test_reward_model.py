@@ -15,10 +15,16 @@ from spinwheel.models.presets import preset_config
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, spawn
-from spinwheel.rl.llm.pref_config import RMConfig
-from spinwheel.rl.llm.preference_data import answer_range, random_wrong_answer, tokenize_pair
-from spinwheel.rl.llm.preference_losses import bradley_terry_loss
-from spinwheel.rl.llm.reward_model import RewardModelError, bradley_terry_pair_loss, reward_model_fn, rm_batch, train_rm
+from spinwheel.preference.pref_config import RMConfig
+from spinwheel.preference.preference_data import answer_range, random_wrong_answer, tokenize_pair
+from spinwheel.preference.preference_losses import bradley_terry_loss
+from spinwheel.preference.reward_model import (
+    RewardModelError,
+    bradley_terry_pair_loss,
+    reward_model_fn,
+    rm_batch,
+    train_rm,
+)
 from spinwheel.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from spinwheel.tasks.data import write_jsonl
 from spinwheel.train.learners import LocalLearner, OptimConfig

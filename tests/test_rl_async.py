@@ -10,10 +10,9 @@ import pytest
 import torch
 from helpers import small_config
 
-import spinwheel.rl.llm.async_rollouts as async_rollouts
+import spinwheel.rl.llm.rollouts.async_rollouts as async_rollouts
 from spinwheel.models.hf import load_model
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.async_rollouts import RolloutProducer, WeightBox
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.off_policy import (
     cispo_loss,
@@ -22,6 +21,7 @@ from spinwheel.rl.llm.off_policy import (
     sequence_is_mask,
     staleness_figures,
 )
+from spinwheel.rl.llm.rollouts.async_rollouts import RolloutProducer, WeightBox
 from spinwheel.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("digit_reward")  # the reward module `rl_test_reward:digits` (helpers.py)

@@ -25,7 +25,7 @@ from spinwheel.engine import LLM, SamplingParams
 from spinwheel.models.hf import load_model
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import apply_rope
-from spinwheel.rl.llm.async_rollouts import VersionedEngine, WeightBox
+from spinwheel.rl.llm.rollouts.async_rollouts import VersionedEngine, WeightBox
 
 PROMPT = "12+34="
 SWAPS = {3: 1, 6: 2}  # engine step -> the version published just before it

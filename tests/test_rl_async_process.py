@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers import small_config
 
-import spinwheel.rl.llm.async_rollouts as async_rollouts
+import spinwheel.rl.llm.rollouts.async_rollouts as async_rollouts
 from spinwheel.models.hf import load_model
 from spinwheel.parallel.config import ParallelConfig
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.rollout_engine import EngineProcess
+from spinwheel.rl.llm.rollouts.rollout_engine import EngineProcess
 from spinwheel.train.metrics import read_metrics
 
 pytestmark = [pytest.mark.usefixtures("digit_reward"), pytest.mark.slow]

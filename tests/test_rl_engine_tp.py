@@ -1,5 +1,6 @@
 """``--engine-tp``: the RL run's engine tensor-parallel over the torchrun ranks, weights resharded from the trainer's
-layout (spinwheel/rl/llm/engine_tp.py, spinwheel/engine/tp_reshard.py). Under ZeRO-3 and trainer TP 2 on 2 ranks
+layout (spinwheel/rl/llm/rollouts/engine_tp.py, spinwheel/engine/parallel/tp_reshard.py). Under ZeRO-3 and trainer TP 2
+on 2 ranks
 (one engine), and ZeRO-3 over dp 4 and trainer dp 2 × tp 2 on 4 ranks (two engines of TP 2), the run equals one
 process's (rewards and sampled tokens exactly, losses to 1e-5) and no rank materialises the whole model during a
 sync; bad degrees and layouts are refused in one line before any weight is loaded."""
@@ -17,8 +18,8 @@ from spinwheel.engine.config import EngineConfig
 from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.rl.llm import train_rl
-from spinwheel.rl.llm.engine_tp import check_engine_tp
-from spinwheel.rl.llm.episode_source import EpisodeSource
+from spinwheel.rl.llm.rollouts.engine_tp import check_engine_tp
+from spinwheel.rl.llm.rollouts.episode_source import EpisodeSource
 from spinwheel.train.metrics import read_metrics
 
 RTOL = 1e-5
@@ -88,7 +89,7 @@ def _bucketed(rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from spinwheel.engine.tp_reshard import Resharder, empty_shard
+    from spinwheel.engine.parallel.tp_reshard import Resharder, empty_shard
     from spinwheel.models.presets import preset_config
     from spinwheel.models.transformer import Transformer
     from spinwheel.parallel import ParallelTrainer

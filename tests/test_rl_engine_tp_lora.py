@@ -1,6 +1,7 @@
 """``--lora-rank`` with ``--engine-tp``: the engine shards hold the frozen base (resharded once) and the policy's
 adapters as one adapter slot that every request runs through, updated after each update on every rank
-(spinwheel/rl/llm/engine_tp.py's PolicyAdapter, spinwheel/engine/tp_lora.py). GRPO under ZeRO-2 and trainer TP 2 on
+(spinwheel/rl/llm/rollouts/engine_tp.py's PolicyAdapter, spinwheel/engine/tp_lora.py). GRPO under ZeRO-2 and trainer TP
+2 on
 2 ranks (one engine of TP 2) equals the same LoRA run in one process: rewards and sampled tokens exactly, losses and
 the final PEFT adapter to 1e-5, each update moving the adapters' bytes alone."""
 
@@ -64,7 +65,7 @@ def test_lora_layouts_under_engine_tp(tmp_path):
     """LoRA with --engine-tp is accepted for the data-parallel and TP layouts; the fully sharded ones stay refused
     in one line (LoRA's own refusal: flat units mix frozen and trained weights)."""
     from spinwheel.parallel.mesh import ParallelDims
-    from spinwheel.rl.llm.engine_tp import check_engine_tp
+    from spinwheel.rl.llm.rollouts.engine_tp import check_engine_tp
     from spinwheel.train.lora_run import check_one_process
 
     def config(**parallel):

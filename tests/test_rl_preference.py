@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from spinwheel.rl.llm.preference_losses import bradley_terry_loss, dpo_loss
+from spinwheel.preference.preference_losses import bradley_terry_loss, dpo_loss
 
 # summed log-probs of 4 preference pairs under the policy and the reference
 PI_C = [-10.0, -4.0, -7.5, -3.0]

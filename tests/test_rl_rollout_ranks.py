@@ -15,7 +15,7 @@ from spinwheel.parallel import ParallelConfig, spawn
 from spinwheel.rl.llm import train_rl
 from spinwheel.rl.llm.config import RLConfig
 from spinwheel.rl.llm.episode_tokens import Episode
-from spinwheel.rl.llm.rollout_wire import BUCKET_MB, broadcast_weights, buckets, pack_episodes, unpack_episodes
+from spinwheel.rl.llm.rollouts.rollout_wire import BUCKET_MB, broadcast_weights, buckets, pack_episodes, unpack_episodes
 from spinwheel.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("digit_reward")  # the reward module `rl_test_reward:digits` (helpers.py)
@@ -33,7 +33,7 @@ def _hang(*args, **kwargs) -> list:
 
 
 def _placement_worker(rank: int, world: int, root: str) -> dict:
-    import spinwheel.rl.llm.rollout_play as rollout_play
+    import spinwheel.rl.llm.rollouts.rollout_play as rollout_play
 
     out: dict = {}
     try:

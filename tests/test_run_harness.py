@@ -22,7 +22,7 @@ from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.learners import LocalLearner, OptimConfig
 from spinwheel.train.run import NonFiniteError, Run
 from spinwheel.train.run_dir import LOCK_FILE, RunDirError, RunDirLock
-from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft.sft_config import SFTConfig
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SPINWHEEL = [sys.executable, "-m", "spinwheel"]

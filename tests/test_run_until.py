@@ -10,8 +10,8 @@ from helpers import run_cli
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.train.checkpoint import load_trainer_state
 from spinwheel.train.metrics import read_metrics
-from spinwheel.train.sft import train_sft
-from spinwheel.train.sft_config import SFTConfig
+from spinwheel.train.sft.sft import train_sft
+from spinwheel.train.sft.sft_config import SFTConfig
 
 
 def config(out, **kw) -> SFTConfig:

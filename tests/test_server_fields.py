@@ -15,9 +15,9 @@ from helpers import BOTH_ENGINE_MODES
 import spinwheel
 from spinwheel.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from spinwheel.server import BackgroundServer, OpenAIServer
-from spinwheel.server.chat import render_chat
+from spinwheel.server.api.chat import render_chat
+from spinwheel.server.api.protocol import ChatMessage
 from spinwheel.server.limits import ServerLimits
-from spinwheel.server.protocol import ChatMessage
 
 MODEL = "tiny-test"
 TOK = spinwheel.Tokenizer.char_level()

@@ -16,9 +16,9 @@ from helpers import MODEL, all_blocks_free, engine_spec, server_model, wait_engi
 import spinwheel
 from spinwheel.engine import EngineConfig, LLMEngine
 from spinwheel.server import BackgroundServer, OpenAIServer
+from spinwheel.server.api.params import ServedModel
 from spinwheel.server.engine_client import EngineProcess
 from spinwheel.server.engine_process import EngineSpec
-from spinwheel.server.params import ServedModel
 
 
 def _engine() -> LLMEngine:

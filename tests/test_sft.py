@@ -10,9 +10,9 @@ from spinwheel.tasks.arithmetic import ArithmeticConfig
 from spinwheel.tasks.data import SAMPLES_DIR
 from spinwheel.train.metrics import read_metrics
 from spinwheel.train.optim import lr_at
-from spinwheel.train.sft import train_sft
-from spinwheel.train.sft_config import SFTConfig
-from spinwheel.train.sft_data import SFTExample, batch_indices, build_data, collate, completion_loss
+from spinwheel.train.sft.sft import train_sft
+from spinwheel.train.sft.sft_config import SFTConfig
+from spinwheel.train.sft.sft_data import SFTExample, batch_indices, build_data, collate, completion_loss
 
 
 def test_completion_loss_matches_hand_written_formula():

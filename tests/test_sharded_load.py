@@ -1,4 +1,4 @@
-"""The start-up load without the full model on any rank (issue 26, :mod:`spinwheel.parallel.lazy_load`).
+"""The start-up load without the full model on any rank (issue 26, :mod:`spinwheel.parallel.io.lazy_load`).
 
 On 2 spawned ranks, for ZeRO-3, FSDP, tp 2 (alone and with FSDP) and pp 2 (from HF checkpoints written here: one
 in ``model.safetensors.index.json`` shards with untied embeddings, one tied, whose last pipeline stage copies the
@@ -18,8 +18,9 @@ import torch
 from spinwheel.models.hf import load_model, save_pretrained
 from spinwheel.models.presets import preset_config
 from spinwheel.models.transformer import Transformer, scalar_head_model
-from spinwheel.parallel import ParallelConfig, ParallelTrainer, lazy_load, spawn
-from spinwheel.parallel.lazy_load import load_figures, materialised_copy
+from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
+from spinwheel.parallel.io import lazy_load
+from spinwheel.parallel.io.lazy_load import load_figures, materialised_copy
 
 VOCAB, LAYERS, MB = 64, 8, 2**20
 LAYOUTS = [  # (name, checkpoint, layout)

@@ -1,4 +1,4 @@
-"""Streamed consolidated saves (issue 26, spinwheel/parallel/streamed_save.py): on 2 spawned ranks under ZeRO-3,
+"""Streamed consolidated saves (issue 26, spinwheel/parallel/io/streamed_save.py): on 2 spawned ranks under ZeRO-3,
 FSDP, HSDP, TP 2 and PP 2, ``save_hf`` writes ``model.safetensors`` tensor by tensor without any rank holding the model.
 
 Reference: today's gathering path — :func:`full_state_dict` on every rank, a full ``Transformer`` on rank 0 written
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from spinwheel.models.hf import hf_tensor_name, load_model, save_pretrained
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel import ParallelConfig, ParallelTrainer, spawn
-from spinwheel.parallel.checkpoint import full_state_dict, save_hf
+from spinwheel.parallel.io.checkpoint import full_state_dict, save_hf
 
 LAYOUTS = [
     ("zero3", dict(zero=3), False),
@@ -146,7 +146,7 @@ def test_the_harness_logs_each_ranks_peak_beside_the_models_bytes(saved, tmp_pat
     """``Run.save`` writes a streamed save's figures (the ZeRO-3 learner's above) to ``metrics.jsonl``."""
     from spinwheel.train.metrics import read_metrics
     from spinwheel.train.run import Run
-    from spinwheel.train.sft_config import SFTConfig
+    from spinwheel.train.sft.sft_config import SFTConfig
 
     stats = saved[1][0]["learner"][0]
 

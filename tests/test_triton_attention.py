@@ -1,4 +1,5 @@
-"""The Triton paged attention kernels (spinwheel/engine/triton_attention.py) against plain softmax(QK^T)V over each
+"""The Triton paged attention kernels (spinwheel/engine/kernels/triton_attention.py) against plain softmax(QK^T)V over
+each
 whole sequence and against the engine's gather path, on mixed batches: several sequences of different lengths,
 partial last blocks, blocks scattered in the pool, GQA and MHA, block sizes 8/16/32, fp32 to 1e-5.
 
@@ -16,7 +17,13 @@ import sys
 import pytest
 import torch
 
-from spinwheel.engine.attention import DecodeBucket, PagedAttentionMetadata, PrefillSpan, gather_attention, write_kv
+from spinwheel.engine.kernels.attention import (
+    DecodeBucket,
+    PagedAttentionMetadata,
+    PrefillSpan,
+    gather_attention,
+    write_kv,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _TRITON_IMPORTED_EARLIER = "triton" in sys.modules
@@ -37,7 +44,7 @@ def ta():
         f"triton was imported before TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} was set "
         f"(already imported when this module was: {_TRITON_IMPORTED_EARLIER}): set it before anything imports triton"
     )
-    module = importlib.import_module("spinwheel.engine.triton_attention")
+    module = importlib.import_module("spinwheel.engine.kernels.triton_attention")
     if isinstance(module._decode_kernel, InterpretedFunction) != interpreted:  # imported earlier in another mode
         module = importlib.reload(module)
     return module
@@ -119,7 +126,8 @@ def test_triton_prefill_matches_reference(ta, h, g, d, bs, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_step_matches_gather_path(ta, dtype):
     """A whole engine step (two decode buckets, then prefill chunks) through the Triton path and the gather path
-    of spinwheel.engine.attention: same output to 1e-5 in fp32. In fp16 (half-precision tiles, fp32 softmax) to the
+    of spinwheel.engine.kernels.attention: same output to 1e-5 in fp32. In fp16 (half-precision tiles, fp32 softmax) to
+    the
     fp64 reference within fp16 rounding; bf16 runs on GPUs only: triton 3.9's interpreter multiplies bf16 wrongly."""
     torch.manual_seed(3)
     h, g, d, bs = 4, 2, 16, 16
@@ -149,6 +157,6 @@ def test_triton_step_matches_gather_path(ta, dtype):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine dispatches to Triton on CUDA only")
 def test_engine_attention_dispatches_to_triton_on_cuda(ta):
-    from spinwheel.engine.attention import triton_kernels
+    from spinwheel.engine.kernels.attention import triton_kernels
 
     assert triton_kernels() is not None, "triton imports here, so CUDA paged attention must use its kernels"

@@ -12,10 +12,10 @@ The implementations, one per layout, picked from the config by
 
 ========================================  =================================================================
 :class:`InProcessExecutor`                the whole model in this process
-:class:`~spinwheel.engine.tp_executor.TPExecutor`    N tensor-parallel ranks, N − 1 of them spawned workers
-:class:`~spinwheel.engine.pp_executor.PPExecutor`    P pipeline stages, spawned (:class:`PipelinedExecutor`)
-:class:`~spinwheel.engine.tp_pp.TPPPExecutor`        P stages × T ranks, spawned (:class:`PipelinedExecutor`)
-``EngineTPExecutor`` (``rl/llm/engine_tp.py``)       N tensor-parallel ranks that are a torchrun job's own
+:class:`~spinwheel.engine.parallel.tp_executor.TPExecutor`    N tensor-parallel ranks, N − 1 of them spawned workers
+:class:`~spinwheel.engine.parallel.pp_executor.PPExecutor`    P pipeline stages, spawned (:class:`PipelinedExecutor`)
+:class:`~spinwheel.engine.parallel.tp_pp.TPPPExecutor`        P stages × T ranks, spawned (:class:`PipelinedExecutor`)
+``EngineTPExecutor`` (``rl/llm/rollouts/engine_tp.py``)       N tensor-parallel ranks that are a torchrun job's own
 ========================================  =================================================================
 
 The tensor-parallel ones share :class:`ShardedExecutor`: the driver's runner holds rank 0's shard, and each step
@@ -33,9 +33,9 @@ import torch
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.model_runner import ModelRunner, StepLogits
+from spinwheel.engine.parallel.tp_update import checked_state
+from spinwheel.engine.parallel.tp_worker import Step, TPModelRunner, to_device
 from spinwheel.engine.scheduler_output import SchedulerOutput
-from spinwheel.engine.tp_update import checked_state
-from spinwheel.engine.tp_worker import Step, TPModelRunner, to_device
 from spinwheel.models.transformer import Transformer
 
 Weights = Transformer | dict[str, torch.Tensor]
@@ -119,7 +119,7 @@ class ShardedExecutor(Executor):
 
 class PipelinedExecutor(Executor):
     """An executor with several steps in flight (pipeline stages): ``launch`` starts one, ``collect`` returns the
-    oldest one's logits; :class:`~spinwheel.engine.pp_engine.PPEngine` keeps one per micro-batch in flight."""
+    oldest one's logits; :class:`~spinwheel.engine.parallel.pp_engine.PPEngine` keeps one per micro-batch in flight."""
 
     @abstractmethod
     def launch(self, out: SchedulerOutput) -> bool:

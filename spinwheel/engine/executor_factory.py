@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.executor import Executor, InProcessExecutor
-from spinwheel.engine.pp_executor import PPExecutor
-from spinwheel.engine.tp_executor import TPExecutor
-from spinwheel.engine.tp_pp import TPPPExecutor
+from spinwheel.engine.parallel.pp_executor import PPExecutor
+from spinwheel.engine.parallel.tp_executor import TPExecutor
+from spinwheel.engine.parallel.tp_pp import TPPPExecutor
 from spinwheel.models.transformer import Transformer
 
 # (tensor_parallel_size > 1, pipeline_parallel_size > 1) -> the executor of that layout

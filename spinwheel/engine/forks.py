@@ -5,7 +5,7 @@ place; it uses the scheduler's ``block_manager`` and ``next_seq_id``."""
 from __future__ import annotations
 
 from spinwheel.engine.beam_search import BeamChoice
-from spinwheel.engine.block_manager import BlockManager
+from spinwheel.engine.kv.block_manager import BlockManager
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -18,9 +18,9 @@ from spinwheel.engine.executor import ExecutorFactory
 from spinwheel.engine.executor_factory import make_executor
 from spinwheel.engine.llm_engine import EngineStats
 from spinwheel.engine.outputs import RequestOutput
-from spinwheel.engine.pp_engine import engine_class
+from spinwheel.engine.parallel.pp_engine import engine_class
+from spinwheel.engine.parallel.tp_worker import check_checkpoint_tp_degree
 from spinwheel.engine.sampling_params import SamplingParams
-from spinwheel.engine.tp_worker import check_checkpoint_tp_degree
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 
@@ -122,7 +122,7 @@ class LLM:
 
     def update_weights(self, model_or_state_dict: Transformer | dict[str, torch.Tensor]) -> None:
         """New weights from the trainer (in process); invalidates the prefix cache. Under tensor parallelism the
-        full weights are resharded: each rank gets its slices (:mod:`~spinwheel.engine.tp_update`)."""
+        full weights are resharded: each rank gets its slices (:mod:`~spinwheel.engine.parallel.tp_update`)."""
         self.engine.update_weights(model_or_state_dict)
 
     def stats(self) -> EngineStats:

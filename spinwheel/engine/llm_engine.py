@@ -16,12 +16,12 @@ from collections import deque
 import torch
 
 from spinwheel.engine.beam_search import beam_step
-from spinwheel.engine.block_manager import BlockManager
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.denormals import flush_denormal
 from spinwheel.engine.executor import ExecutorFactory
 from spinwheel.engine.executor_factory import make_executor  # one device, tensor- or pipeline-parallel, or both
 from spinwheel.engine.isolation import RequestFailures, failed_output, sample_isolated
+from spinwheel.engine.kernels.denormals import flush_denormal
+from spinwheel.engine.kv.block_manager import BlockManager
 from spinwheel.engine.model_runner import StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.outputs import EngineStats, RequestOutput, StepInfo

@@ -2,8 +2,10 @@
 
 All scheduled tokens — decodes and prefill chunks mixed — are flattened into one ``(1, N)`` batch: embeddings,
 projections, MLPs and norms run on the flat batch; only attention splits per sequence, through block tables and
-context lengths (:mod:`spinwheel.engine.attention`). On a CPU in fp32 the step runs the engine's own forward over
-oneDNN-packed weights and fused kernels (:mod:`spinwheel.engine.cpu_forward`); elsewhere the model's forward with
+context lengths (:mod:`spinwheel.engine.kernels.attention`). On a CPU in fp32 the step runs the engine's own forward
+over
+oneDNN-packed weights and fused kernels (:mod:`spinwheel.engine.kernels.cpu_forward`); elsewhere the model's forward
+with
 the paged attention kernel installed in its layers. A step is ``prepare_inputs`` (flat ids, positions, slots,
 attention metadata, the rows to read back) -> ``forward`` (hidden states) -> ``select_rows`` (logits of the rows
 that are sampled or scored). The runner also owns the KV-cache tensors (device pool and CPU swap pool) and
@@ -19,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from spinwheel.engine import cpu_forward
-from spinwheel.engine.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
 from spinwheel.engine.config import EngineConfig
-from spinwheel.engine.cpu_kernels import check_decode_tables, load_kernels
+from spinwheel.engine.kernels import cpu_forward
+from spinwheel.engine.kernels.attention import DecodeBucket, PagedAttention, PagedAttentionMetadata, PrefillSpan
+from spinwheel.engine.kernels.cpu_kernels import check_decode_tables, load_kernels
 from spinwheel.engine.multi_lora import AdapterRegistry
 from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.models.transformer import Transformer

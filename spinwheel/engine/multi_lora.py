@@ -18,7 +18,7 @@ registers adapters by name (slot 0 is the base) from PEFT adapter directories ch
 (:func:`~spinwheel.models.lora_io.read_adapter`: a different base is a one-line error), and says which rows of the
 step run through which adapter while the step's forward runs (:meth:`AdapterRegistry.active`). The K/V a request
 computes depend on its adapter, so the prefix cache keys blocks by adapter too (``namespace`` in
-:class:`~spinwheel.engine.block_manager.BlockManager`).
+:class:`~spinwheel.engine.kv.block_manager.BlockManager`).
 
 One registry serves every layout: its :class:`Shard` says which part of the model this rank holds. A pipeline
 stage holds its layers' factors (renumbered as it numbers its layers); a tensor-parallel rank its slice of each
@@ -64,7 +64,8 @@ class ActiveRows:
 @dataclass
 class AdapterShipment:
     """One adapter as the driver ships it to the other ranks: its name, the slot every rank gives it, and its
-    factors by projection (whole; a stage's part once :func:`~spinwheel.engine.pp_lora.stage_part` cut them), on
+    factors by projection (whole; a stage's part once :func:`~spinwheel.engine.parallel.pp_lora.stage_part` cut them),
+    on
     CPU."""
 
     name: str

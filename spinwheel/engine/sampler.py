@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spinwheel.engine.cpu_kernels import greedy_rows
+from spinwheel.engine.kernels.cpu_kernels import greedy_rows
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.sequence import Sequence
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from spinwheel.engine.block_manager import AllocStatus, BlockManager
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.forks import SamplingForks
-from spinwheel.engine.reservation import ADMISSIONS
+from spinwheel.engine.kv.block_manager import AllocStatus, BlockManager
+from spinwheel.engine.kv.reservation import ADMISSIONS
 from spinwheel.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 

@@ -160,7 +160,7 @@ def load_model(
     the adapter run produced (see :func:`load_adapted`; ``merge_adapter=False`` keeps it as LoRA layers).
     ``dtype`` defaults to the checkpoint's ``torch_dtype``; presets use ``vocab_size`` (default: the built-in char
     tokenizer's) and ``seed``. ``lazy`` (a learner's model under torchrun): a checkpoint directory comes back on the
-    meta device, read piece by piece as ``parallelize`` shards it (:mod:`spinwheel.parallel.lazy_load`); presets
+    meta device, read piece by piece as ``parallelize`` shards it (:mod:`spinwheel.parallel.io.lazy_load`); presets
     and adapter directories load whole.
     """
     from spinwheel.models.hub import resolve_model_path
@@ -184,7 +184,7 @@ def load_model(
     model = check_config(path, config, tensor_shapes(path))  # before any tensor is read or memory allocated
     target = resolve_dtype(dtype) or _DTYPES.get(config.torch_dtype, torch.float32)
     if lazy:
-        from spinwheel.parallel.lazy_load import lazy_model
+        from spinwheel.parallel.io.lazy_load import lazy_model
 
         return lazy_model(path, _weight_files(path), config, target, device)
     state = load_state_dict(path)

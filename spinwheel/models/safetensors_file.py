@@ -1,4 +1,4 @@
-"""A safetensors file written tensor by tensor (:mod:`~spinwheel.parallel.streamed_save`: a consolidated checkpoint
+"""A safetensors file written tensor by tensor (:mod:`~spinwheel.parallel.io.streamed_save`: a consolidated checkpoint
 whose tensors reach the writing rank one at a time).
 
 The format: an 8-byte little-endian header length, a JSON header (``__metadata__``, then every tensor's dtype, shape

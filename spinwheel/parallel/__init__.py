@@ -2,14 +2,15 @@
 
 * :mod:`~spinwheel.parallel.mesh` — :class:`ParallelDims`, the rank grid and its process groups;
 * :mod:`~spinwheel.parallel.comm` — collectives with ZeRO-style volume counters and timeouts;
-* :mod:`~spinwheel.parallel.ddp`, :mod:`~spinwheel.parallel.zero`, :mod:`~spinwheel.parallel.fsdp` — data parallelism
+* :mod:`~spinwheel.parallel.data.ddp`, :mod:`~spinwheel.parallel.data.zero`, :mod:`~spinwheel.parallel.data.fsdp` —
+data parallelism
   (DDP, ZeRO-1/2, FSDP = ZeRO-3, HSDP);
 * :mod:`~spinwheel.parallel.tensor` — Megatron tensor parallelism; :mod:`~spinwheel.parallel.pipeline` — GPipe / 1F1B;
   :mod:`~spinwheel.parallel.remat` — activation re-materialisation;
 * :mod:`~spinwheel.parallel.parallelize` — applies them in order; :mod:`~spinwheel.parallel.trainer` — the parallel
   trainer (pluggable per-token losses, forward-only log-probs); :mod:`~spinwheel.parallel.config` — the layout
   options; :mod:`~spinwheel.parallel.optim` — global gradient-norm clipping and name-selected weight decay across
-  shards; :mod:`~spinwheel.parallel.checkpoint` — sharded save/resume and HF consolidation;
+  shards; :mod:`~spinwheel.parallel.io.checkpoint` — sharded save/resume and HF consolidation;
   :mod:`~spinwheel.parallel.launch` — torchrun start-up and local spawning.
 """
 

@@ -10,8 +10,8 @@ from typing import Literal
 from spinwheel.config import check_ranges, option
 from spinwheel.models.hf import resolve_dtype
 from spinwheel.parallel.comm import Comm
+from spinwheel.parallel.data.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
-from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.remat import PARTITION_MODES, REMAT_MODES, PartitionMode, RematMode
 
 

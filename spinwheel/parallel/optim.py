@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from spinwheel.parallel.comm import Comm
-from spinwheel.parallel.fsdp import FullyShardedDataParallel
+from spinwheel.parallel.data.fsdp import FullyShardedDataParallel
+from spinwheel.parallel.data.zero import ZeroDataParallel
 from spinwheel.parallel.mesh import Axis
 from spinwheel.parallel.parallelize import ParallelModel
 from spinwheel.parallel.pipeline import tied_weight
-from spinwheel.parallel.zero import ZeroDataParallel
 
 DecayRule = Callable[[str, int], bool]  # (parameter name, number of dims) -> decayed?
 

@@ -4,7 +4,7 @@
    see only the stage's layers;
 2. **tensor parallelism** — swap in column/row/vocab-parallel layers (they must exist before anything flattens or
    wraps the parameters; LoRA projections get :mod:`~spinwheel.parallel.tensor_lora`'s, factors split with W); a
-   lazily loaded model (:mod:`~spinwheel.parallel.lazy_load`, on the meta device) reads its weights here — its TP
+   lazily loaded model (:mod:`~spinwheel.parallel.io.lazy_load`, on the meta device) reads its weights here — its TP
    slices and its stage's layers, or under ZeRO-3 / FSDP each rank only its shard, unit by unit, in step 4;
 3. **re-materialisation** — checkpoint each block, segments of k blocks or the whole stage (inside TP, so
    recomputation re-runs TP's collectives and may keep its checkpoints partitioned over the TP group, and inside the
@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from spinwheel.parallel.config import check_data_parallel, check_remat
-from spinwheel.parallel.ddp import DistributedDataParallel
-from spinwheel.parallel.fsdp import FullyShardedDataParallel
-from spinwheel.parallel.lazy_load import LoadPlan, lazy_source
+from spinwheel.parallel.data.ddp import DistributedDataParallel
+from spinwheel.parallel.data.fsdp import FullyShardedDataParallel
+from spinwheel.parallel.data.mixed_precision import MixedPrecisionPolicy
+from spinwheel.parallel.data.zero import ZeroDataParallel
+from spinwheel.parallel.io.lazy_load import LoadPlan, lazy_source
 from spinwheel.parallel.mesh import ParallelDims, ParallelError
-from spinwheel.parallel.mixed_precision import MixedPrecisionPolicy
 from spinwheel.parallel.pipeline import PipelineSchedule, PipelineStage
 from spinwheel.parallel.remat import apply_remat
 from spinwheel.parallel.remat_buffer import CheckpointBuffer
 from spinwheel.parallel.remat_partition import PartitionedInput, WholeInput
 from spinwheel.parallel.tensor import apply_tensor_parallel
 from spinwheel.parallel.tensor_lora import lora_column_layer, lora_row_layer
-from spinwheel.parallel.zero import ZeroDataParallel
 
 
 @dataclass
@@ -128,7 +128,7 @@ def parallelize(
 def lazy_reads(
     model: nn.Module, stage: nn.Module, shard_dims: dict[str, int], dims: ParallelDims, fully_sharded: bool
 ) -> LoadPlan | None:
-    """A lazily loaded model (:mod:`~spinwheel.parallel.lazy_load`) reads its weights now, after the pipeline cut
+    """A lazily loaded model (:mod:`~spinwheel.parallel.io.lazy_load`) reads its weights now, after the pipeline cut
     and the TP swap: the stage's TP slices and replicated pieces, or under ZeRO-3 / FSDP (the returned plan) each
     rank its shard of one unit at a time as the wrapper builds it. None for a model loaded whole."""
     source = lazy_source(model)

@@ -1,6 +1,7 @@
 """The process group that a run's own collectives span (agreement on a signal or a failure, checkpoint barriers):
 the whole ``torchrun`` world (``None``, the default), or — when some ranks do other work, as the rollout ranks of
-``--rollout-ranks`` (:mod:`spinwheel.rl.llm.rollout_ranks`) — the group of the ranks that train, set once by the
+``--rollout-ranks`` (:mod:`spinwheel.rl.llm.rollouts.rollout_ranks`) — the group of the ranks that train, set once by
+the
 run before its first collective. Global ranks are unchanged: rank 0 is still the main rank.
 """
 

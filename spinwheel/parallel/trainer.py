@@ -250,23 +250,23 @@ class ParallelTrainer:
         self.report.all_reduce(full, dims.pp_axis)
         return dict(zip(names, full.unbind(0)))
 
-    # -- checkpoints (see spinwheel.parallel.checkpoint) ------------------------------------------------------------
+    # -- checkpoints (see spinwheel.parallel.io.checkpoint) ------------------------------------------------------------
     def save(self, path: str) -> None:
-        from spinwheel.parallel.checkpoint import save_sharded
+        from spinwheel.parallel.io.checkpoint import save_sharded
 
         save_sharded(self, path)
 
     def load(self, path: str) -> None:
-        from spinwheel.parallel.checkpoint import load_sharded
+        from spinwheel.parallel.io.checkpoint import load_sharded
 
         load_sharded(self, path)
 
     def full_state_dict(self, trained_only: bool = False) -> dict[str, torch.Tensor]:
-        from spinwheel.parallel.checkpoint import full_state_dict
+        from spinwheel.parallel.io.checkpoint import full_state_dict
 
         return full_state_dict(self.pm, trained_only)
 
     def save_hf(self, path: str) -> None:
-        from spinwheel.parallel.checkpoint import save_hf
+        from spinwheel.parallel.io.checkpoint import save_hf
 
         save_hf(self.pm, path)

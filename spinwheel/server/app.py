@@ -29,16 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import spinwheel
 from spinwheel.engine import LLMEngine
-from spinwheel.server.async_engine import AsyncEngine, EngineDeadError
-from spinwheel.server.chat import ChatCompletions
-from spinwheel.server.chat_template import ChatRenderer
-from spinwheel.server.completions import Completions
-from spinwheel.server.engine_client import EngineProcess
-from spinwheel.server.limits import ServerLimits
-from spinwheel.server.metrics import ServerMetrics
-from spinwheel.server.middleware import RequestBodyMiddleware, api_key_auth, check_api_key, error_response
-from spinwheel.server.params import ServedModel
-from spinwheel.server.protocol import (
+from spinwheel.server.api.chat import ChatCompletions
+from spinwheel.server.api.completions import Completions
+from spinwheel.server.api.params import ServedModel
+from spinwheel.server.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,7 +40,13 @@ from spinwheel.server.protocol import (
     TokenizeRequest,
     internal_error,
 )
-from spinwheel.server.tokenization import Tokenization
+from spinwheel.server.api.tokenization import Tokenization
+from spinwheel.server.async_engine import AsyncEngine, EngineDeadError
+from spinwheel.server.chat_template import ChatRenderer
+from spinwheel.server.engine_client import EngineProcess
+from spinwheel.server.limits import ServerLimits
+from spinwheel.server.metrics import ServerMetrics
+from spinwheel.server.middleware import RequestBodyMiddleware, api_key_auth, check_api_key, error_response
 from spinwheel.server.transport import ConnectionGuard
 
 logger = logging.getLogger(__name__)

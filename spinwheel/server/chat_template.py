@@ -15,7 +15,7 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 from spinwheel.models.tokenizer import Tokenizer, TokenizerError
-from spinwheel.server.protocol import APIError, ChatMessage
+from spinwheel.server.api.protocol import APIError, ChatMessage
 
 # What rendering one message costs, in characters of tokenizing (the template's loop, the role markers): 30,000
 # empty messages took 0.5 s to render, so they count toward the size that moves the work off the event loop.

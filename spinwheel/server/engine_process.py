@@ -38,10 +38,10 @@ from typing import Any
 from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
 from spinwheel.engine.core import EngineCore
 from spinwheel.engine.isolation import INTERNAL_ERROR
-from spinwheel.engine.pp_engine import engine_class
+from spinwheel.engine.kernels.warmup import prepare_for_serving
+from spinwheel.engine.parallel.pp_engine import engine_class
+from spinwheel.engine.parallel.tp_executor import TensorParallelError
 from spinwheel.engine.sequence import SequenceGroup
-from spinwheel.engine.tp_executor import TensorParallelError
-from spinwheel.engine.warmup import prepare_for_serving
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.server.async_engine import EngineStepError
@@ -58,7 +58,7 @@ class EngineSpec:
     config: EngineConfig
     tokenizer: Tokenizer | None = None  # default: the checkpoint's (load_tokenizer)
     num_threads: int | None = None  # torch threads of the engine process (None: torch's default)
-    warmup: bool = False  # run spinwheel.engine.warmup's full-budget step before saying ready
+    warmup: bool = False  # run spinwheel.engine.kernels.warmup's full-budget step before saying ready
     decode_step_ms: float | None = None  # with warmup: fit the budget of a step that decodes (prepare_for_serving)
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters to serve by name: name -> adapter directory
 

@@ -14,8 +14,8 @@ from starlette.responses import Response
 
 from spinwheel.engine import RequestOutput, SamplingParams
 from spinwheel.engine.isolation import INTERNAL_ERROR
+from spinwheel.server.api.protocol import APIError
 from spinwheel.server.async_engine import AsyncEngine, EngineDeadError, EngineStepError
-from spinwheel.server.protocol import APIError
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 INLINE_WORK = 2048  # characters (or token ids) tokenized on the event loop itself: ~3 ms with the built-in tokenizer

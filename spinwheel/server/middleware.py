@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from spinwheel.server.protocol import APIError
+from spinwheel.server.api.protocol import APIError
 
 
 class RequestBodyMiddleware:

@@ -20,8 +20,8 @@ from typing import Literal
 
 from spinwheel.config import check_ranges, option
 from spinwheel.engine import EngineConfig, LLMEngine
-from spinwheel.engine.pp_engine import engine_class
-from spinwheel.engine.warmup import prepare_for_serving
+from spinwheel.engine.kernels.warmup import prepare_for_serving
+from spinwheel.engine.parallel.pp_engine import engine_class
 from spinwheel.models.lora_io import read_adapter_config
 from spinwheel.server.app import OpenAIServer
 from spinwheel.server.engine_client import EngineProcess
@@ -145,7 +145,7 @@ def serving_defaults(config: EngineConfig) -> EngineConfig:
     """The engine options a server without a warm-up defaults differently from offline generation: a step that
     decodes takes at most 768 tokens (or ``max_num_seqs``), so that a burst of new prompts does not stall the
     streams already running (offline, where only throughput counts, every step may take
-    ``max_num_batched_tokens``). With the warm-up, :func:`~spinwheel.engine.warmup.prepare_for_serving` fits the
+    ``max_num_batched_tokens``). With the warm-up, :func:`~spinwheel.engine.kernels.warmup.prepare_for_serving` fits the
     bound to ``--decode-step-ms`` instead."""
     if config.max_num_batched_tokens_with_decodes is not None:
         return config

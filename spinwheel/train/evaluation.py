@@ -10,7 +10,7 @@ from spinwheel.models.generate import generate
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.tasks.arithmetic import evaluate
-from spinwheel.train.sft_data import SFTData
+from spinwheel.train.sft.sft_data import SFTData
 
 Generate = Callable[[list[list[int]], int], list[str]]  # (prompt ids, max new tokens) -> completions
 

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
 from spinwheel.parallel.config import ParallelConfig
+from spinwheel.parallel.io.lazy_load import materialised_copy
 from spinwheel.parallel.launch import destroy_distributed, init_distributed, launched_world_size
-from spinwheel.parallel.lazy_load import materialised_copy
 from spinwheel.parallel.mesh import ParallelDims
 from spinwheel.parallel.token_outputs import is_scalar_head
 from spinwheel.parallel.trainer import Batch, LossFn, ParallelTrainer, StepResult

@@ -35,7 +35,7 @@ from spinwheel.models.hf import load_model
 from spinwheel.models.lora import adapters_disabled, apply_lora, lora_layers, lora_parameters
 from spinwheel.models.lora_io import load_adapter
 from spinwheel.models.transformer import Transformer
-from spinwheel.parallel.lazy_load import load_figures
+from spinwheel.parallel.io.lazy_load import load_figures
 from spinwheel.train.learners import Learner
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class AdaptersOff:
 
 def start_figures(model: Transformer) -> dict[str, float]:
     """What a run logs at step 0 about its model: :func:`sync_figures` and, for a lazily loaded one, the load's peak
-    (:func:`~spinwheel.parallel.lazy_load.load_figures`: ``load_peak_mb`` against ``model_mb``)."""
+    (:func:`~spinwheel.parallel.io.lazy_load.load_figures`: ``load_peak_mb`` against ``model_mb``)."""
     return {**sync_figures(model), **load_figures(model)}
 
 

@@ -5,7 +5,7 @@ replaces the checkpoint by one rename once every rank is done.
 
 The HF files come one of two ways:
 
-* **streamed** (:mod:`~spinwheel.parallel.streamed_save`) where no rank holds the full weights — ZeRO-3, FSDP,
+* **streamed** (:mod:`~spinwheel.parallel.io.streamed_save`) where no rank holds the full weights — ZeRO-3, FSDP,
   HSDP, TP or PP: ``model.safetensors`` is written tensor by tensor as each is gathered to rank 0 alone, so no rank
   (rank 0 included) ever materialises the whole model; each rank's figures (``save_peak_mb`` beside the model's
   ``save_model_mb``) are logged and returned;
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from spinwheel.models.transformer import Transformer
+from spinwheel.parallel.io.streamed_save import save_streamed
 from spinwheel.parallel.parallelize import ParallelModel
 from spinwheel.parallel.run_group import run_group
-from spinwheel.parallel.streamed_save import save_streamed
 from spinwheel.parallel.trainer import ParallelTrainer
 from spinwheel.train.checkpoint import rng_state, save_checkpoint
 

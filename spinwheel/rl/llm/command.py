@@ -11,8 +11,8 @@ from spinwheel.config import add_arguments, from_args
 from spinwheel.tasks.arithmetic import ArithmeticConfig
 
 if TYPE_CHECKING:
+    from spinwheel.preference.pref_config import PreferenceConfig
     from spinwheel.rl.llm.config import RLConfig
-    from spinwheel.rl.llm.pref_config import PreferenceConfig
 
 Config = TypeVar("Config", "RLConfig", "PreferenceConfig")
 
@@ -76,7 +76,7 @@ def add_rl_parser(sub: argparse._SubParsersAction, algo: str, what: str) -> None
     foreign = ALGORITHM_OPTIONS - cls.options
     add_arguments(p, RLConfig, skip={"algo"} | foreign, defaults=cls.defaults)
     _add_run_parts(p, RL_ENGINE_DEFAULTS)
-    p.add_argument(  # under torchrun: engines over the ranks, resharded into (spinwheel/rl/llm/engine_tp.py)
+    p.add_argument(  # under torchrun: engines over the ranks, resharded into (spinwheel/rl/llm/rollouts/engine_tp.py)
         "--engine-tp",
         dest="engine_tensor_parallel_size",
         type=int,
@@ -112,7 +112,7 @@ PREF_COMMANDS = {
 
 
 def add_pref_parser(sub: argparse._SubParsersAction, command: str, what: str) -> None:
-    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
+    from spinwheel.preference.pref_config import DPOConfig, RMConfig
 
     cls = DPOConfig if command == "dpo" else RMConfig
     p = sub.add_parser(command, help=what, description=f"{what}; torchrun for data/tensor parallel updates.")
@@ -122,9 +122,9 @@ def add_pref_parser(sub: argparse._SubParsersAction, command: str, what: str) ->
 
 
 def run_pref(ns: argparse.Namespace) -> None:
-    from spinwheel.rl.llm.dpo import train_dpo
-    from spinwheel.rl.llm.pref_config import DPOConfig, RMConfig
-    from spinwheel.rl.llm.reward_model import train_rm
+    from spinwheel.preference.dpo import train_dpo
+    from spinwheel.preference.pref_config import DPOConfig, RMConfig
+    from spinwheel.preference.reward_model import train_rm
 
     config = _with_run_parts(from_args(DPOConfig if ns.command == "dpo" else RMConfig, ns), ns)
     result = (train_dpo if ns.command == "dpo" else train_rm)(config)

@@ -286,7 +286,7 @@ def check_async_options(config: RLConfig) -> None:
 
 
 def check_agent_options(config: RLConfig) -> None:
-    """One-line refusals of what ``--agent`` does not combine with (:mod:`~spinwheel.rl.llm.agent_run`)."""
+    """One-line refusals of what ``--agent`` does not combine with (:mod:`~spinwheel.rl.llm.agents.agent_run`)."""
     if config.agent is None:
         if config.agent_tasks is not None:
             raise ValueError("--agent-tasks gives the tasks of --agent: give --agent too")

@@ -27,12 +27,12 @@ from spinwheel.models.tokenizer import load_tokenizer
 from spinwheel.parallel.comm import metrics_since
 from spinwheel.rl.llm.algorithms import ALGORITHMS, Algorithm, Parts
 from spinwheel.rl.llm.config import RLConfig
-from spinwheel.rl.llm.engine_tp import check_engine_tp
 from spinwheel.rl.llm.episode_tokens import episode_batch, episode_metrics, episode_rewards, mean_info
 from spinwheel.rl.llm.off_policy import off_policy_weights, staleness_figures, token_versions
-from spinwheel.rl.llm.rollout_factory import make_rollouts, make_source
-from spinwheel.rl.llm.rollout_play import serve_rollouts
-from spinwheel.rl.llm.rollout_ranks import Placement, placed
+from spinwheel.rl.llm.rollouts.engine_tp import check_engine_tp
+from spinwheel.rl.llm.rollouts.rollout_factory import make_rollouts, make_source
+from spinwheel.rl.llm.rollouts.rollout_play import serve_rollouts
+from spinwheel.rl.llm.rollouts.rollout_ranks import Placement, placed
 from spinwheel.rl.llm.token_advantages import dynamic_sampling_mask
 from spinwheel.rl.llm.token_losses import kl_per_token, logprob_mismatch, token_weights
 from spinwheel.train.learners import Learner, LocalLearner, OptimConfig, ParallelLearner, distributed_world

@@ -27,7 +27,7 @@ from spinwheel.rl.llm.rollout import dp_share
 def run_scorer(config: RLConfig) -> tuple[Scorer, bool]:
     """The run's reward as a scorer of (prompts, completions), and whether it is the built-in exact match."""
     if config.reward_model is not None:
-        from spinwheel.rl.llm.reward_model import reward_model_fn
+        from spinwheel.preference.reward_model import reward_model_fn
 
         rm = reward_model_fn(config.reward_model, device=config.device)
 

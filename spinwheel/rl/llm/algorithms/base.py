@@ -44,7 +44,7 @@ class Parts:
     make_learner: Callable[[Any, OptimConfig | None], Learner]
     out_dir: Path
     resume_step: int | None  # None: a new run
-    lazy: bool = False  # under torchrun: checkpoints are read as the learner shards them (parallel/lazy_load.py)
+    lazy: bool = False  # under torchrun: checkpoints are read as the learner shards them (parallel/io/lazy_load.py)
 
 
 class Algorithm:
