@@ -9,8 +9,9 @@ the step's outputs to its client; idle, it waits for a command. A client says wh
 :meth:`~EngineCore.deliver`) and what a failed step does (:meth:`~EngineCore.step_failed`): the server's
 in-process engine thread (:class:`~spinwheel.server.async_engine.AsyncEngine`) and its engine process
 (:mod:`~spinwheel.server.engine_process`) step while requests are unfinished; the RL loop's rollout engine process
-(:mod:`~spinwheel.rl.llm.rollouts.rollout_engine`) steps when its producer asks (it plays the episodes), waiting on its
-pipe.
+(:mod:`~spinwheel.rl.llm.rollouts.rollout_engine`) steps when its producer asks (it plays the episodes). Both engine
+processes are one class, :mod:`~spinwheel.engine.process`'s ``EngineCoreProcess`` (its child's end, ``PipeCore``,
+is the loop's base there): one pipe, each client's own commands and messages over it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The server's side of an engine in its own process (:mod:`~spinwheel.server.engine_process`), with the same
 asyncio face as :class:`~spinwheel.server.async_engine.AsyncEngine`.
 
-Two threads per engine process keep the event loop off the pipe: a writer sends the handlers' commands (every
-command queued since its last write goes in one message, so a burst of requests costs one write), and a reader
-turns each step's deltas back into cumulative outputs (detokenizing the new tokens and checking stop strings here,
-:mod:`~spinwheel.server.output_deltas`; a stop string found sends the engine a stop or abort) and hands them to the
-requests' mailboxes with one ``call_soon_threadsafe`` per step, not per request. Text prompts are tokenized here.
+The process, its pipe and their two threads are :class:`~spinwheel.engine.process.EngineCoreProcess` (the engine
+process class the RL rollout engine uses too): its writer sends the handlers' commands (every command queued since
+its last write goes in one message, so a burst of requests costs one write), and its reader hands each message to
+this client, which turns each step's deltas back into cumulative outputs (detokenizing the new tokens and checking
+stop strings here, :mod:`~spinwheel.server.output_deltas`; a stop string found sends the engine a stop or abort) and
+hands them to the requests' mailboxes with one ``call_soon_threadsafe`` per step, not per request. Text prompts are
+tokenized here.
 
 Liveness: the pipe closes when the engine process dies (a crash, the OOM killer, SIGKILL). The reader then fails
 every request in flight with :class:`EngineDeadError` (an OpenAI error object for its client, 503), ``alive`` is
@@ -16,10 +18,8 @@ False (``/health`` answers 503) and new requests are refused at once, then the p
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import pickle
-import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -29,22 +29,12 @@ import torch.multiprocessing as torch_mp  # registers the reducers that share a 
 
 from spinwheel.engine import EngineStats, RequestOutput, SamplingParams
 from spinwheel.engine.isolation import INTERNAL_ERROR
+from spinwheel.engine.process import EngineCoreProcess, describe_exit
 from spinwheel.server.async_engine import EngineDeadError, EngineStepError, Stream, StreamingEngine
-from spinwheel.server.engine_process import EngineInfo, EngineSnapshot, EngineSpec, dumps, run_engine_process
+from spinwheel.server.engine_process import EngineSnapshot, EngineSpec
 from spinwheel.server.output_deltas import DeltaDecoder, RequestDelta
 
 logger = logging.getLogger(__name__)
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "stopped answering"
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with status {exitcode}"
 
 
 def _offer_all(items: list[tuple[Stream, RequestOutput | BaseException]]) -> None:
@@ -62,95 +52,6 @@ def _deliver(items: list[tuple[Stream, RequestOutput | BaseException]]) -> None:
             loop.call_soon_threadsafe(_offer_all, batch)
         except RuntimeError:  # that loop has closed: nobody is reading
             pass
-
-
-class _Child:
-    """One engine process: the process, its end of the pipe and the writer's queue."""
-
-    def __init__(self, spec: EngineSpec, start_timeout_s: float) -> None:
-        ctx = torch_mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(
-            target=run_engine_process, args=(spec, child_conn), name="spinwheel-engine", daemon=True
-        )
-        self.closed = False  # close() was called: the writer ends
-        self.released = False  # the process has ended and its descriptors are released
-        self.exitcode: int | None = None
-        self.lock = threading.Lock()  # guards the process object: join and close come from two threads
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.proc.start()
-        self.pid = self.proc.pid
-        child_conn.close()  # the child's end lives in the child only: its death closes the pipe
-        self.info = self._wait_ready(start_timeout_s)
-        threading.Thread(target=self._write, name="spinwheel-engine-writer", daemon=True).start()
-
-    def _wait_ready(self, timeout_s: float) -> EngineInfo:
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not self.conn.poll(0.2):
-                if not self.proc.is_alive():
-                    raise EOFError
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"the engine process did not start within {timeout_s:g} s")
-            message = pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            exitcode = self.join(5)
-            self.close()
-            raise RuntimeError(f"the engine process {describe_exit(exitcode)} while starting") from None
-        if message[0] != "ready":
-            self.close()
-            raise RuntimeError(f"the engine could not start: {message[1]}")
-        return message[1]
-
-    def post(self, command: tuple) -> None:
-        self.outbox.put(command)
-        self.wake.set()
-
-    def _write(self) -> None:
-        while not self.closed:
-            self.wake.wait()
-            self.wake.clear()
-            batch = []
-            while True:
-                try:
-                    batch.append(self.outbox.get_nowait())
-                except queue.Empty:
-                    break
-            if not batch or self.closed:
-                continue
-            try:
-                self.conn.send_bytes(dumps(batch))
-            except (OSError, ValueError):  # the process died (the reader reports it) or the pipe was closed
-                return
-            if batch[-1][0] == "shutdown":
-                return
-
-    def join(self, timeout: float) -> int | None:
-        """Wait up to ``timeout`` seconds for the process to end; its exit code (None while it runs)."""
-        with self.lock:
-            if not self.released:
-                self.proc.join(timeout)
-                self.exitcode = self.proc.exitcode
-        return self.exitcode
-
-    def close(self) -> None:
-        """Close the pipe, stop the process and the writer thread, and release the process's descriptors (its
-        sentinel pipe stays open until ``Process.close``): a restart leaves nothing of this child behind."""
-        self.closed = True
-        self.wake.set()  # the writer waits for work: let it see ``closed`` and end
-        with self.lock:  # the reader thread and shutdown may both close it
-            self.conn.close()
-            if self.released:
-                return
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc.join(5)
-            self.exitcode = self.proc.exitcode
-            if self.exitcode is not None:
-                self.proc.close()
-                self.released = True
 
 
 class EngineProcess(StreamingEngine):
@@ -178,7 +79,7 @@ class EngineProcess(StreamingEngine):
         self._start()
 
     def _start(self) -> None:
-        child = _Child(self.spec, self.start_timeout_s)
+        child = EngineCoreProcess(torch_mp.get_context("spawn"), self.spec, self.start_timeout_s)
         self.info = child.info
         self._snapshot = EngineSnapshot(child.info.stats, False, 0, 0)
         self._decoder = DeltaDecoder(self.tokenizer)
@@ -186,7 +87,7 @@ class EngineProcess(StreamingEngine):
         if self._closing:  # shut down while this one was starting (a restart)
             child.close()
             return
-        threading.Thread(target=self._read, args=(child,), name="spinwheel-engine-client", daemon=True).start()
+        child.serve(self._on_message, functools.partial(self._on_exit, child))
         with self._lock:
             self.error = None
 
@@ -230,10 +131,7 @@ class EngineProcess(StreamingEngine):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._closing = True
-        child = self._child
-        child.post(("shutdown",))
-        child.join(timeout)
-        child.close()
+        self._child.shutdown(timeout)
 
     # ---- asyncio side ----
     def _submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: Stream) -> None:
@@ -255,24 +153,11 @@ class EngineProcess(StreamingEngine):
                 self._child.post(("abort", request_id))  # its "abort" output still reaches the metrics
 
     # ---- the reader thread ----
-    def _read(self, child: _Child) -> None:
-        failure = None
-        while True:
-            try:
-                message = pickle.loads(child.conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            try:
-                if message[0] == "step":
-                    self._on_step(*message[1:])
-                elif message[0] == "failed":
-                    self._on_failed(*message[1:])
-            except Exception as e:  # a bug here must not leave every request waiting: restart the engine instead
-                logger.exception("the engine's %r message could not be handled", message[0])
-                failure = f"the engine client failed on the engine's output ({e!r}): the engine process was stopped"
-                child.close()
-                break
-        self._on_exit(child, failure)
+    def _on_message(self, message: tuple) -> None:
+        if message[0] == "step":
+            self._on_step(*message[1:])
+        elif message[0] == "failed":
+            self._on_failed(*message[1:])
 
     def _on_step(self, deltas: list[RequestDelta], step_s: float, snapshot: EngineSnapshot) -> None:
         decoder = self._decoder
@@ -305,7 +190,7 @@ class EngineProcess(StreamingEngine):
             self._decoder.forget(rid)
         _deliver(items)
 
-    def _on_exit(self, child: _Child, failure: str | None = None) -> None:
+    def _on_exit(self, child: EngineCoreProcess, failure: str | None = None) -> None:
         exitcode = child.join(5)
         if self._closing:
             child.close()

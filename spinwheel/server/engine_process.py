@@ -2,12 +2,13 @@
 
 A server that steps the engine on a thread of its own process shares one GIL between the model's Python work and
 the event loop's HTTP, JSON and streaming work; each slows the other. Here the engine runs in a child process
-(``multiprocessing`` spawn, so no CUDA or thread state is forked) and talks to the server over one duplex pipe
-(:mod:`multiprocessing.connection`: length-prefixed pickles):
+(``multiprocessing`` spawn, so no CUDA or thread state is forked), started and spoken to by
+:mod:`~spinwheel.engine.process`'s :class:`~spinwheel.engine.process.EngineCoreProcess` (one duplex pipe,
+length-prefixed pickles; this module's :class:`ProcessCore` is its :class:`~spinwheel.engine.process.PipeCore`):
 
 - server -> engine: lists of commands, ``("add", request_id, prompt_token_ids, SamplingParams)``,
   ``("abort", request_id)``, ``("stop", request_id, index, stop_string)`` (one sample hit a stop string),
-  ``("shutdown",)``; a reader thread here queues them, the core applies them between steps, so requests that
+  ``("shutdown",)``; the core's reader thread queues them, the core applies them between steps, so requests that
   arrive during a step join the next one together.
 - engine -> server: ``("ready", EngineInfo)`` once loaded, then one ``("step", deltas, step_s, EngineSnapshot)``
   per step with what each request got in that step (new token ids, logprobs, finish reasons: no text, see
@@ -26,21 +27,17 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import queue
-import signal
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
 
 from spinwheel.engine import EngineConfig, EngineStats, LLMEngine
-from spinwheel.engine.core import EngineCore
 from spinwheel.engine.isolation import INTERNAL_ERROR
 from spinwheel.engine.kernels.warmup import prepare_for_serving
 from spinwheel.engine.parallel.pp_engine import engine_class
 from spinwheel.engine.parallel.tp_executor import TensorParallelError
+from spinwheel.engine.process import PipeCore, dumps
 from spinwheel.engine.sequence import SequenceGroup
 from spinwheel.models.tokenizer import Tokenizer
 from spinwheel.models.transformer import Transformer
@@ -84,6 +81,16 @@ class EngineSpec:
         engine.output_processor.tokenizer = None
         return engine
 
+    def start(self, conn: Connection) -> tuple[ProcessCore, EngineInfo]:
+        """In the engine process (:func:`~spinwheel.engine.process.serve_core`): the engine's core, and what the
+        server is told of the engine."""
+        engine = self.build()
+        if self.warmup:
+            print(f"spinwheel serve: {prepare_for_serving(engine, self.decode_step_ms)}", flush=True)
+        loras = tuple(engine.loras.names)
+        info = EngineInfo(os.getpid(), engine.model.config.vocab_size, engine.max_model_len, engine.stats(), loras)
+        return ProcessCore(engine, conn), info
+
 
 @dataclass
 class EngineInfo:
@@ -106,10 +113,6 @@ class EngineSnapshot:
     num_used_blocks: int
 
 
-def dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def picklable(e: BaseException) -> BaseException:
     """``e`` if it crosses the pipe intact, else a RuntimeError with its repr."""
     try:
@@ -129,48 +132,13 @@ def snapshot(engine: LLMEngine) -> EngineSnapshot:
     )
 
 
-class ProcessCore(EngineCore):
-    """The child's :class:`~spinwheel.engine.core.EngineCore`: commands from the pipe, each step's deltas back."""
+class ProcessCore(PipeCore):
+    """The child's core: the server's commands (module docstring) applied between steps, each step's deltas back."""
 
     def __init__(self, engine: LLMEngine, conn: Connection, idle_wait_s: float = 1.0) -> None:
-        super().__init__(engine, idle_wait_s)
-        self.conn = conn
+        super().__init__(engine, conn, idle_wait_s)
         self.encoder = DeltaEncoder(engine.output_processor)
         self._live: set[str] = set()  # requests added and not yet finished
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._read, name="spinwheel-engine-reader", daemon=True).start()
-        self._writer = threading.Thread(target=self._write, name="spinwheel-engine-writer", daemon=True)
-        self._writer.start()
-
-    def _read(self) -> None:
-        """Drain the pipe as commands arrive (so the server's writes never wait on a step)."""
-        while True:
-            try:
-                batch = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                batch = [("shutdown",)]  # the server went away
-            for command in batch:
-                self.commands.put(command)
-            self.wake.set()
-            if batch and batch[-1][0] == "shutdown":
-                return
-
-    def _send(self, message: tuple) -> None:
-        self._outbox.put(dumps(message))
-
-    def _write(self) -> None:
-        """Write to the pipe off the stepping thread: a write wakes the server's reader, and on a busy machine the
-        scheduler may run it in the writer's place; meanwhile the next step goes on here. Ends with ``None``."""
-        while (data := self._outbox.get()) is not None:
-            try:
-                self.conn.send_bytes(data)
-            except OSError:  # the server went away: the reader sees it too and stops the core
-                return
-
-    def close(self) -> None:
-        """Send what is queued, then stop the writer."""
-        self._outbox.put(None)
-        self._writer.join(10)
 
     def apply(self, commands: Iterator[tuple]) -> None:
         failed: list[tuple[str, BaseException]] = []
@@ -190,7 +158,7 @@ class ProcessCore(EngineCore):
             else:
                 self.stopped = True
         for request_id, e in failed:
-            self._send(("failed", [request_id], e))
+            self.send(("failed", [request_id], e))
 
     def step(self) -> list[SequenceGroup]:
         return self.engine.step_groups(stream=True)
@@ -205,7 +173,7 @@ class ProcessCore(EngineCore):
         for delta in deltas:
             if delta.finished:
                 self._live.discard(delta.request_id)
-        self._send(("step", deltas, step_s, snapshot(self.engine)))
+        self.send(("step", deltas, step_s, snapshot(self.engine)))
 
     def step_failed(self, error: Exception) -> None:
         if isinstance(error, TensorParallelError):  # a worker is gone: exit, so the server fails the requests and
@@ -221,7 +189,7 @@ class ProcessCore(EngineCore):
         self.engine.abort(request_id)  # when still running; its blocks are freed with the next step
         self._live.discard(request_id)
         message = f"{INTERNAL_ERROR}the engine failed on this request's output ({type(e).__name__}: {e})"
-        self._send(("failed", [request_id], EngineStepError(f"{message}; the other requests were not affected")))
+        self.send(("failed", [request_id], EngineStepError(f"{message}; the other requests were not affected")))
 
     def _fail_all(self, error: Exception) -> None:
         failed = sorted(self._live)
@@ -236,35 +204,4 @@ class ProcessCore(EngineCore):
             self.engine.step(stream=False)  # let the engine free the aborted requests' blocks
         except Exception:  # noqa: BLE001
             logger.exception("engine step after a failure also failed")
-        self._send(("failed", failed, picklable(error)))
-
-
-def run_engine_process(spec: EngineSpec, conn: Connection) -> None:
-    """The engine process's entry point (``multiprocessing`` target): build the engine, say ready, serve."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(os, "setpgrp"):  # a signal to the server's process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) is
-        os.setpgrp()  # the server's to act on: it stops this engine in order, rather than seeing it die and restart it
-    try:
-        if spec.num_threads is not None:
-            import torch
-
-            torch.set_num_threads(spec.num_threads)
-        engine = spec.build()
-        if spec.warmup:
-            print(f"spinwheel serve: {prepare_for_serving(engine, spec.decode_step_ms)}", flush=True)
-    except BaseException as e:  # noqa: BLE001 - reported to the server, which says why it cannot start
-        conn.send_bytes(dumps(("start_failed", f"{type(e).__name__}: {e}")))
-        return
-    info = EngineInfo(
-        os.getpid(), engine.model.config.vocab_size, engine.max_model_len, engine.stats(), tuple(engine.loras.names)
-    )
-    try:
-        conn.send_bytes(dumps(("ready", info)))
-    except OSError:  # the server went away while this engine was starting (Ctrl-C): nobody to serve
-        return
-    core = ProcessCore(engine, conn)
-    try:
-        core.run()
-    finally:
-        core.close()
-        conn.close()
+        self.send(("failed", failed, picklable(error)))

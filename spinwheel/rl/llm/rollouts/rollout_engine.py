@@ -2,12 +2,15 @@
 the main process, the engine's Python work (scheduling, sampling, output processing) no longer shares its GIL.
 
 The child holds the engine and the :class:`~spinwheel.rl.llm.rollouts.async_rollouts.VersionedEngine` around it (the
-version record, ``--kv-on-update``); :class:`EngineProcess` is the producer thread's stand-in for that engine —
-``add_request``, ``step``, ``abort``, ``token_versions`` … each one request and one answer over a pipe, so the
-episode driver runs unchanged in the main process (environments and rewards stay there). The weights live in
-shared memory: before a step that finds a newer published version the producer thread copies it into the shared
-tensors (the child is idle between two calls, so it never reads a half-written copy) and the step tells the child
-to load it; the seconds and bytes are counted (``weight_publish_s``, ``weight_publish_mb``).
+version
+record, ``--kv-on-update``); :class:`EngineProcess` is the producer thread's stand-in for that engine —
+``add_request``, ``step``, ``abort``, ``token_versions`` … each one command and one answer over the engine process's
+pipe (:class:`~spinwheel.engine.process.EngineCoreProcess`, the class the server's engine process uses too; the
+child's core is :class:`RolloutCore`), so the episode driver runs unchanged in the main process (environments and
+rewards stay there). The weights live in shared memory: before a step that finds a newer published version the
+producer thread copies it into the shared tensors (the child is idle between two calls, so it never reads a
+half-written copy) and the step tells the child to load it; the seconds and bytes are counted (``weight_publish_s``,
+``weight_publish_mb``).
 
 Children come from the fork server that spawned ranks use (:func:`~spinwheel.parallel.launch.rank_context`: torch is
 imported once, a child starts in a fraction of a second). Every answer is awaited at most ``timeout_s``: a child that
@@ -18,7 +21,7 @@ step again from the start — its episodes are counted as re-generated, none was
 
 from __future__ import annotations
 
-import signal
+import queue
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions that pass shared-memory tensors to the child
 
-from spinwheel.engine.core import EngineCore
+from spinwheel.engine.process import EngineCoreProcess, PipeCore
 from spinwheel.models.config import ModelConfig
 from spinwheel.models.lora import lora_layers
 from spinwheel.models.tokenizer import Tokenizer
@@ -55,49 +58,43 @@ class _Spec:
     lora: Any = None  # the policy's LoRAConfig: the child's model gets the same adapter layers (unmerged)
     sync_keys: tuple[str, ...] = ()  # what each update changes (weight_sync.sync_keys): the child reloads these
 
+    def start(self, conn: Connection) -> tuple[RolloutCore, tuple[set[int], int]]:
+        """In the child (:func:`~spinwheel.engine.process.serve_core`): the engine, versioned, and its core."""
+        from spinwheel.engine import LLM
+        from spinwheel.models.lora import apply_lora
+        from spinwheel.models.transformer import Transformer
 
-def _serve(conn: Connection, spec: _Spec) -> None:
-    """The child: build the engine, then answer calls until the pipe closes (or it is killed)."""
-    from spinwheel.engine import LLM
-    from spinwheel.models.lora import apply_lora
-    from spinwheel.models.transformer import Transformer
-
-    versioned_engine, weight_box = spec.wrap
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
-    torch.set_num_threads(spec.num_threads)
-    dtype = next(iter(spec.weights.values())).dtype
-    model = Transformer(spec.config).to(dtype).requires_grad_(False)
-    if spec.lora is not None:
-        apply_lora(model, spec.lora, seed=0)  # the factors are loaded next
-    model.load_state_dict(spec.weights, strict=False)
-    box = weight_box(spec.version)
-    box.state = {k: spec.weights[k] for k in spec.sync_keys}
-    engine = versioned_engine(LLM(model, spec.tokenizer, **spec.options).engine, box, spec.version, spec.kv)
-    conn.send(("ok", (set(engine.eos_ids), engine.max_model_len)))
-    RolloutCore(engine, box, conn).run()
+        versioned_engine, weight_box = self.wrap
+        dtype = next(iter(self.weights.values())).dtype
+        model = Transformer(self.config).to(dtype).requires_grad_(False)
+        if self.lora is not None:
+            apply_lora(model, self.lora, seed=0)  # the factors are loaded next
+        model.load_state_dict(self.weights, strict=False)
+        box = weight_box(self.version)
+        box.state = {k: self.weights[k] for k in self.sync_keys}
+        engine = versioned_engine(LLM(model, self.tokenizer, **self.options).engine, box, self.version, self.kv)
+        return RolloutCore(engine, box, conn), (set(engine.eos_ids), engine.max_model_len)
 
 
-class RolloutCore(EngineCore):
-    """The child's :class:`~spinwheel.engine.core.EngineCore`: each call of the producer is a command, answered at
-    once, except ``step``, which the loop runs as its step (the producer decides when the engine steps: it plays the
-    episodes); between calls it waits on the pipe, and ends when the pipe closes."""
+class RolloutCore(PipeCore):
+    """The child's core: each call of the producer is a command, answered at once, except ``step``, which the loop
+    runs as its step (the producer decides when the engine steps: it plays the episodes); between calls it waits
+    for the next command, and ends when the pipe closes."""
 
     def __init__(self, engine: Any, box: Any, conn: Connection) -> None:
-        super().__init__(engine, idle_wait_s=0.0)
-        self.box, self.conn = box, conn
+        super().__init__(engine, conn)
+        self.box = box
         self.stream: bool | None = None  # the step asked for (its ``stream``), not run yet
 
     def has_work(self) -> bool:
         return self.stream is not None
 
-    def wait(self) -> None:
-        try:
-            self.commands.put(self.conn.recv())
-        except (EOFError, OSError):
-            self.stopped = True
-
     def apply(self, commands: Iterator[tuple]) -> None:
-        for name, args in commands:
+        for command in commands:
+            name, args = command[0], command[1:]
+            if name == "shutdown":
+                self.stopped = True
+                return
             if name == "step":
                 version, self.stream = args
                 self.box.version = max(self.box.version, version)
@@ -107,7 +104,7 @@ class RolloutCore(EngineCore):
             except Exception as e:  # noqa: BLE001 - the parent raises it in the producer
                 self.step_failed(e)
                 continue
-            self.conn.send(("ok", value))
+            self.send(("ok", value))
 
     def step(self) -> tuple:
         stream, self.stream = self.stream, None
@@ -116,12 +113,12 @@ class RolloutCore(EngineCore):
         return outputs, (engine.num_prompt_tokens, bm.num_prefix_hit_tokens, engine.num_swaps, engine.num_recomputed)
 
     def deliver(self, outputs: tuple, step_s: float) -> None:
-        self.conn.send(("ok", outputs))
+        self.send(("ok", outputs))
 
     def step_failed(self, error: Exception) -> None:
         """A call failed: the parent raises it in the producer."""
         self.stream = None
-        self.conn.send(("error", RuntimeError(f"the rollout engine process failed: {type(error).__name__}: {error}")))
+        self.send(("error", RuntimeError(f"the rollout engine process failed: {type(error).__name__}: {error}")))
 
 
 class EngineProcess:
@@ -148,7 +145,8 @@ class EngineProcess:
         self.num_swaps = self.num_recomputed = self.num_prompt_tokens = self.restarts = 0
         self.block_manager = SimpleNamespace(num_prefix_hit_tokens=0)
         self.publish_s, self.published_bytes, self.load_s, self._before = 0.0, 0, 0.0, (0, 0)
-        self.proc, self.conn, self.dead = None, None, True
+        self.process: EngineCoreProcess | None = None
+        self.dead = True
         self._start()
 
     def versioned(self, box: Any, version: int, kv: str) -> EngineProcess:
@@ -156,11 +154,14 @@ class EngineProcess:
         return self
 
     # ---- the child ----
+    @property
+    def proc(self) -> Any:
+        """The child's ``multiprocessing`` process."""
+        return self.process.proc
+
     def _start(self) -> None:
         from spinwheel.parallel.launch import rank_context
 
-        ctx = rank_context()
-        parent, child = ctx.Pipe()
         spec = _Spec(
             self.model.config,
             self.weights,
@@ -173,11 +174,14 @@ class EngineProcess:
             self.lora,
             self.sync_keys,
         )
-        self.proc = ctx.Process(target=_serve, args=(child, spec), daemon=True, name="rollout-engine")
-        self.proc.start()
-        child.close()
-        self.conn, self.dead = parent, False
-        self.eos_ids, self.max_model_len = self._answer("start")
+        try:
+            process = EngineCoreProcess(rank_context(), spec, self.timeout_s, name="rollout-engine")
+        except RuntimeError as e:  # it died or failed while starting: the producer may start another
+            raise EngineDied(f"the rollout engine process could not start: {e}") from None
+        replies: queue.SimpleQueue = queue.SimpleQueue()  # one per child: a dead one's end never reaches the next
+        process.serve(replies.put, lambda failure: replies.put(("died", failure)))
+        self.process, self.replies, self.dead = process, replies, False
+        self.eos_ids, self.max_model_len = process.info
 
     def restart(self) -> None:
         """A new child on the newest weights copied to shared memory (after :class:`EngineDied`)."""
@@ -187,42 +191,29 @@ class EngineProcess:
         self._start()
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.join(timeout=10)
-        if self.conn is not None:
-            self.conn.close()
+        if self.process is not None:
+            self.process.close()
         self.dead = True
 
     def _call(self, name: str, *args: Any) -> Any:
+        """Send one call and wait for its answer (at most ``timeout_s``)."""
         if self.dead:
             raise EngineDied("the rollout engine process is gone")
+        self.process.post((name, *args))
         try:
-            self.conn.send((name, args))  # type: ignore[union-attr]
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
-            self._died(e)
-        return self._answer(name)
-
-    def _answer(self, name: str) -> Any:
-        try:
-            if not self.conn.poll(self.timeout_s):  # type: ignore[union-attr]
-                self.kill()
-                raise TimeoutError(
-                    f"the rollout engine process gave no answer to '{name}' in {self.timeout_s:g} s (--timeout-s): "
-                    "it hangs; the run stops"
-                )
-            status, value = self.conn.recv()  # type: ignore[union-attr]
-        except (EOFError, ConnectionResetError, OSError) as e:
-            self._died(e)
+            status, value = self.replies.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self.kill()
+            raise TimeoutError(
+                f"the rollout engine process gave no answer to '{name}' in {self.timeout_s:g} s (--timeout-s): "
+                "it hangs; the run stops"
+            ) from None
+        if status == "died":
+            self.kill()
+            raise EngineDied(f"the rollout engine process died (exit code {self.process.exitcode})")
         if status == "error":
             raise value
         return value
-
-    def _died(self, cause: BaseException) -> None:
-        self.kill()
-        code = self.proc.exitcode if self.proc is not None else None
-        raise EngineDied(f"the rollout engine process died (exit code {code})") from cause
 
     # ---- the engine's calls the episode driver makes ----
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
