@@ -56,7 +56,7 @@ class DemoConfig:
     grpo_steps: int = option(200, help="GRPO rollout steps")
     grpo_eval_every: int = option(20, help="GRPO evaluates the held-out problems every N steps")
     grpo_prompts: int = option(64, help="GRPO prompts per step (8 completions each)")
-    grpo_lr: float = option(1e-4, help="GRPO learning rate (peak; cosine decay from it)")
+    grpo_lr: float = option(2e-4, help="GRPO learning rate (peak; cosine decay from it)")
     grpo_min_lr_ratio: float = option(0.0, help="GRPO's final learning rate as a fraction of --grpo-lr")
     eval_examples: int = option(500, help="held-out problems per evaluation")
     seed: int = option(0, help="seed of the model init, the data order and the samples")
