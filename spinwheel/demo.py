@@ -1,15 +1,20 @@
 """The main job (``spinwheel demo``): the whole post-training story on the built-in tiny model, in minutes on a CPU.
 
 1. **SFT** of the randomly initialised ``tiny`` preset on 2-digit addition, until the held-out greedy exact match
-   first reaches ``--sft-target`` (40%): the model writes answers in the right form but still gets most wrong;
+   first reaches ``--sft-target`` (60%): the model writes answers in the right form but still gets two in five wrong;
 2. **GRPO** from that checkpoint on the same task's prompts, rewarded by exact match, on rollouts from spinwheel's
    own engine over the trainer's weights;
 3. held-out exact match after SFT and after GRPO, and a few completions from the engine.
 
 The SFT stage ends at a level, not a step count: the first check whose held-out exact match reaches
-``--sft-target`` (every ``--sft-check-every`` steps, then after every step from ``--sft-near`` (25%) on, where the
-curve rises by points a step). A fixed 300-step budget ended on the steep part of the curve, where a CPU's
+``--sft-target`` (every ``--sft-check-every`` steps, then after every step from ``--sft-near`` (30%) on, where the
+curve rises by points a step). From ``--sft-near`` on the learning rate drops to ``--sft-near-lr``: at the full rate
+the held-out figure swings by several points from step to step there, and the first check past the target landed
+anywhere up to 7 points above it. A fixed 300-step budget ended on the steep part of the curve, where a CPU's
 rounding moved the figure by tens of points (BENCHMARKS.md, "Demo recipe over seeds").
+
+The demo runs on one thread unless ``--num-threads`` says otherwise: a thread count fitted to the machine's load
+(:mod:`spinwheel.threads`) rounds sums differently whenever it changes, so a seed would not repeat exactly.
 
 Everything is written under ``--out-dir`` (``sft/`` and ``grpo/``, each with ``checkpoint/``, ``metrics.jsonl``,
 ``curves.png``). A directory spinwheel did not write is never deleted: a non-empty ``--out-dir`` without the demo's
@@ -47,7 +52,9 @@ class DemoConfig:
     sft_near: float = option(
         0.3, help="from this held-out exact match on, SFT evaluates after every step (the curve is steep there)"
     )
-    sft_lr: float = option(3e-3, help="SFT learning rate (after a linear warmup of 100 steps; constant)")
+    sft_lr: float = option(
+        3e-3, help="SFT learning rate (after a linear warmup of 100 steps; constant until --sft-near)"
+    )
     sft_near_lr: float = option(
         3e-4,
         help="SFT learning rate from --sft-near on (lower than --sft-lr: the held-out figure then moves less from "
@@ -56,7 +63,7 @@ class DemoConfig:
     grpo_steps: int = option(200, help="GRPO rollout steps")
     grpo_eval_every: int = option(20, help="GRPO evaluates the held-out problems every N steps")
     grpo_prompts: int = option(64, help="GRPO prompts per step (8 completions each)")
-    grpo_lr: float = option(1e-4, help="GRPO learning rate (peak; cosine decay from it)")
+    grpo_lr: float = option(2e-4, help="GRPO learning rate (peak; cosine decay from it)")
     grpo_min_lr_ratio: float = option(0.0, help="GRPO's final learning rate as a fraction of --grpo-lr")
     eval_examples: int = option(500, help="held-out problems per evaluation")
     seed: int = option(0, help="seed of the model init, the data order and the samples")
