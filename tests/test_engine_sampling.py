@@ -310,7 +310,7 @@ def test_greedy_kernel_matches_argmax_and_log_softmax():
 def test_greedy_fast_path_equals_the_general_sampler(model, monkeypatch):
     """Greedy requests without penalties or logprobs take the fused kernel; the tokens and cumulative log-probs are
     the general path's (kernel disabled), and a request that needs the general path still gets it."""
-    from spinwheel.engine import sampler as sampler_module
+    from spinwheel.engine.sampling import sampler as sampler_module
 
     prompts = [list(range(10, 30)), [5, 6, 7], list(range(40, 47))]
     plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

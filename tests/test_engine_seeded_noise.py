@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from spinwheel.engine.sampler import Sampler, SampleRow, seeded_exponential
+from spinwheel.engine.sampling.sampler import Sampler, SampleRow, seeded_exponential
 from spinwheel.engine.sampling_params import SamplingParams
 
 M64 = (1 << 64) - 1

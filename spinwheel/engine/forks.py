@@ -4,8 +4,8 @@ place; it uses the scheduler's ``block_manager`` and ``next_seq_id``."""
 
 from __future__ import annotations
 
-from spinwheel.engine.beam_search import BeamChoice
 from spinwheel.engine.kv.block_manager import BlockManager
+from spinwheel.engine.sampling.beam_search import BeamChoice
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

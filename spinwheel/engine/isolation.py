@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from spinwheel.engine.outputs import RequestOutput
-from spinwheel.engine.sampler import Sampler, SampleRow
+from spinwheel.engine.sampling.sampler import Sampler, SampleRow
 from spinwheel.engine.sequence import SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ from collections import deque
 
 import torch
 
-from spinwheel.engine.beam_search import beam_step
 from spinwheel.engine.config import EngineConfig
 from spinwheel.engine.executor import ExecutorFactory
 from spinwheel.engine.executor_factory import make_executor  # one device, tensor- or pipeline-parallel, or both
@@ -25,7 +24,8 @@ from spinwheel.engine.kv.block_manager import BlockManager
 from spinwheel.engine.model_runner import StepLogits
 from spinwheel.engine.output_processor import OutputProcessor
 from spinwheel.engine.outputs import EngineStats, RequestOutput, StepInfo
-from spinwheel.engine.sampler import Sampler, SampleRow
+from spinwheel.engine.sampling.beam_search import beam_step
+from spinwheel.engine.sampling.sampler import Sampler, SampleRow
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.scheduler import Scheduler
 from spinwheel.engine.scheduler_output import SchedulerOutput

@@ -16,7 +16,7 @@ import torch
 from spinwheel.engine.detokenizer import OutputText
 from spinwheel.engine.model_runner import StepLogits
 from spinwheel.engine.outputs import CompletionOutput, RequestOutput
-from spinwheel.engine.sampler import top_logprobs
+from spinwheel.engine.sampling.sampler import top_logprobs
 from spinwheel.engine.sampling_params import SamplingParams
 from spinwheel.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from spinwheel.models.tokenizer import Tokenizer
