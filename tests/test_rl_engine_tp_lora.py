@@ -1,9 +1,8 @@
 """``--lora-rank`` with ``--engine-tp``: the engine shards hold the frozen base (resharded once) and the policy's
 adapters as one adapter slot that every request runs through, updated after each update on every rank
-(spinwheel/rl/llm/rollouts/engine_tp.py's PolicyAdapter, spinwheel/engine/tp_lora.py). GRPO under ZeRO-2 and trainer TP
-2 on
-2 ranks (one engine of TP 2) equals the same LoRA run in one process: rewards and sampled tokens exactly, losses and
-the final PEFT adapter to 1e-5, each update moving the adapters' bytes alone."""
+(spinwheel/rl/llm/rollouts/engine_tp.py's PolicyAdapter, spinwheel/engine/multi_lora.py). GRPO under ZeRO-2
+and trainer TP 2 on 2 ranks (one engine of TP 2) equals the same LoRA run in one process: rewards and sampled tokens
+exactly, losses and the final PEFT adapter to 1e-5, each update moving the adapters' bytes alone."""
 
 from __future__ import annotations
 
