@@ -12,7 +12,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from spinwheel.engine.kernels.warmup import prepare_for_serving
 from spinwheel.engine.parallel.pp_engine import engine_class
 from spinwheel.models.lora_io import read_adapter_config
 from spinwheel.server.app import OpenAIServer
+from spinwheel.server.background import UvicornThread
 from spinwheel.server.engine_client import EngineProcess
 from spinwheel.server.engine_process import EngineSpec
 from spinwheel.server.limits import ServerLimits, fit_connections_to_fd_limit
@@ -256,40 +256,15 @@ def serve(config: ServeConfig, engine_config: EngineConfig | None = None) -> Non
         raise SystemExit(f"spinwheel serve: error: {engine_gone[0]}")
 
 
-class BackgroundServer:
+class BackgroundServer(UvicornThread):
     """Run a server on a free loopback port in a background thread (tests, benchmarks, notebooks)."""
 
     def __init__(
         self, server: OpenAIServer, host: str = "127.0.0.1", port: int = 0, http: str = "auto", loop: str = "auto"
     ) -> None:
-        import socket
+        super().__init__(host, port)
+        self.server = server
+        self.serve(server.uvicorn_config(self.host, self.port, "warning", http, loop))
 
-        import uvicorn
-
-        if port == 0:
-            with socket.socket() as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
-        self.server, self.host, self.port = server, host, port
-        self._uvicorn = uvicorn.Server(server.uvicorn_config(host, port, "warning", http, loop))
-        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> BackgroundServer:
-        import time
-
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._uvicorn.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"server did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._uvicorn.should_exit = True
-        self._thread.join(10)
+    def stopped(self) -> None:
         self.server.shutdown()

@@ -13,11 +13,11 @@ writes the model's tokenizer into ``RUN_DIR/tokenizer`` and names that directory
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from spinwheel.config import option
+from spinwheel.server.background import UvicornThread
 
 
 @dataclass
@@ -83,38 +83,21 @@ def build_service(config: TinkerConfig):
     )
 
 
-class BackgroundTinker:
+class BackgroundTinker(UvicornThread):
     """The service on a free loopback port in a background thread (tests, benchmarks)."""
 
-    def __init__(self, service, host: str = "127.0.0.1", port: int = 0) -> None:
-        import socket
+    what = "tinker service"
 
+    def __init__(self, service, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
         from spinwheel.tinker.app import build_app
 
-        if port == 0:
-            with socket.socket() as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
-        self.service, self.url = service, f"http://{host}:{port}"
-        self._uvicorn = uvicorn.Server(uvicorn.Config(build_app(service), host=host, port=port, log_level="warning"))
-        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
+        super().__init__(host, port)
+        self.service = service
+        self.serve(uvicorn.Config(build_app(service), host=self.host, port=self.port, log_level="warning"))
 
-    def __enter__(self) -> BackgroundTinker:
-        import time
-
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._uvicorn.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"tinker service did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._uvicorn.should_exit = True
-        self._thread.join(10)
+    def stopped(self) -> None:
         self.service.close()
 
 
